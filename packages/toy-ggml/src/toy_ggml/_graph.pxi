@@ -1,0 +1,351 @@
+# Graphs: forward and backward building with the checks ggml would abort on.
+#
+# ggml asserts when a graph overflows its node capacity and aborts when a
+# backward pass meets an op without a gradient. Both are checked here first:
+# build_forward counts the tensors it is about to add, and build_backward
+# walks the graph against an allow-list (BACKWARD_OPS / BACKWARD_UNARY_OPS,
+# which mirror the cases of ggml_compute_backward in our patched tree; a test
+# parses that source and compares).
+
+from toy_ggml.errors import UnsupportedBackwardError
+
+# ggml_op_name() names of ops whose backward ggml 0.25.3 (+ toy patches) has.
+BACKWARD_OPS = frozenset({
+    "NONE", "DUP", "ADD", "ADD1", "ACC", "SUB", "MUL", "DIV", "SQR", "SQRT", "LOG",
+    "SIN", "COS", "SUM", "SUM_ROWS", "MEAN", "REPEAT", "REPEAT_BACK", "RMS_NORM",
+    "NORM", "MUL_MAT", "SCALE", "SET", "CPY", "CONT", "RESHAPE", "VIEW", "PERMUTE",
+    "TRANSPOSE", "GET_ROWS", "DIAG_MASK_INF", "DIAG_MASK_ZERO", "SOFT_MAX", "ROPE",
+    "IM2COL", "POOL_2D", "CROSS_ENTROPY_LOSS", "UNARY", "GLU",
+})
+# ggml_unary_op_name() names with a backward case.
+BACKWARD_UNARY_OPS = frozenset({
+    "ABS", "SGN", "NEG", "STEP", "RELU", "SILU", "EXP", "EXPM1", "SOFTPLUS", "GELU",
+})
+# ggml_glu_op_name() names with a backward case (split form only).
+BACKWARD_GLU_OPS = frozenset({"SWIGLU"})
+
+# Tensors a backward pass may create per forward node (upper bounds: GELU's
+# composed derivative makes about 14, NORM's about 12).
+cdef int _BACKWARD_TENSORS_PER_NODE = 24
+
+cdef dict _OP_ID = {}
+cdef dict _UNARY_ID = {}
+cdef dict _GLU_ID = {}
+for _i in range(<int>GGML_OP_COUNT):
+    _OP_ID[ggml_op_name(<ggml_op>_i).decode()] = _i
+for _i in range(<int>GGML_UNARY_OP_COUNT):
+    _UNARY_ID[ggml_unary_op_name(<ggml_unary_op>_i).decode()] = _i
+for _i in range(<int>GGML_GLU_OP_COUNT):
+    _GLU_ID[ggml_glu_op_name(<ggml_glu_op>_i).decode()] = _i
+
+cdef set _BW_OPS = {_OP_ID[n] for n in BACKWARD_OPS}
+cdef set _BW_UNARY = {_UNARY_ID[n] for n in BACKWARD_UNARY_OPS}
+cdef set _BW_GLU = {_GLU_ID[n] for n in BACKWARD_GLU_OPS}
+cdef set _VIEW_OPS = {_OP_ID[n] for n in ("NONE", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE")}
+cdef int _OP_GET_ROWS = _OP_ID["GET_ROWS"]
+cdef int _OP_SET_ROWS = _OP_ID["SET_ROWS"]
+cdef int _OP_MUL_MAT_ID = _OP_ID["MUL_MAT_ID"]
+cdef int _OP_SOFT_MAX = _OP_ID["SOFT_MAX"]
+cdef int _OP_ROPE = _OP_ID["ROPE"]
+cdef int _OP_XENT = _OP_ID["CROSS_ENTROPY_LOSS"]
+cdef int _OP_OPT_ADAMW = _OP_ID["OPT_STEP_ADAMW"]
+# srcs whose gradient ggml never computes (indices, positions, copy targets)
+cdef dict _IGNORED_SRC = {
+    _OP_ID["CPY"]: (1,), _OP_GET_ROWS: (1,), _OP_ID["GET_ROWS_BACK"]: (1,), _OP_ROPE: (1,),
+    _OP_ID["IM2COL"]: (0,), _OP_ID["IM2COL_BACK"]: (0,),
+}
+
+
+cdef str _node_desc(ggml_tensor * t):
+    cdef str op = ggml_op_name(t.op).decode()
+    if t.op == GGML_OP_UNARY:
+        op = "UNARY:" + ggml_unary_op_name(ggml_get_unary_op(t)).decode()
+    elif t.op == GGML_OP_GLU:
+        op = "GLU:" + ggml_glu_op_name(ggml_get_glu_op(t)).decode()
+    name = t.name.decode("utf-8", "replace")
+    return f"{op} ({name!r})" if name else op
+
+
+cdef class Graph:
+    """A ggml compute graph in a Context. ``size``: node capacity;
+    ``grads``: room for gradients (needed by build_backward)."""
+    cdef ggml_cgraph * ptr
+    cdef readonly Context ctx
+    cdef readonly int size
+    cdef readonly bint grads
+    cdef set _seen
+    cdef int _n_nodes
+    cdef int _n_leafs
+    cdef bint _has_backward
+    cdef public int version            # bumped on every change (runtimes re-allocate)
+    cdef object _validated_for         # Runtime the graph was last checked for
+    cdef list _index_checks            # [(Tensor idx, bound, desc)] data-dependent ranges
+
+    def __init__(self, Context ctx, int size=2048, bint grads=False):
+        ctx._check_open()
+        if size < 1 or size > 10_000_000:
+            raise ValueError(f"graph size {size} must be in 1..10000000")
+        cdef size_t need = ggml_graph_overhead_custom(size, grads)
+        if ggml_get_mem_size(ctx.ptr) - ggml_used_mem(ctx.ptr) < need:
+            raise GGMLError(f"Context has no room for a graph of size {size} ({need} bytes); "
+                            "create the Context with a larger graph_size or max_tensors")
+        self.ctx = ctx
+        self.size = size
+        self.grads = grads
+        self.ptr = ggml_new_graph_custom(ctx.ptr, size, grads)
+        self._seen = set()
+        self._n_nodes = 0
+        self._n_leafs = 0
+        self._has_backward = False
+        self.version = 0
+        self._validated_for = None
+        self._index_checks = None
+
+    cdef inline int _ok(self) except -1:
+        if self.ctx._closed:
+            raise ClosedError("the graph's Context is closed")
+        return 0
+
+    def build_forward(self, *tensors):
+        """Add ``tensors`` and everything they depend on, in dependency order."""
+        self._ok()
+        cdef Tensor t
+        cdef ggml_tensor * p
+        cdef ggml_tensor * s
+        cdef int i, add_nodes = 0, add_leafs = 0
+        cdef list stack
+        cdef set new = set()
+        for obj in tensors:
+            t = <Tensor?>obj
+            t._ok()
+            self.ctx._use(t)
+            stack = [<uintptr_t>t.ptr]
+            while stack:
+                addr = stack.pop()
+                if addr in self._seen or addr in new:
+                    continue
+                new.add(addr)
+                p = <ggml_tensor *><uintptr_t>addr
+                if p.op == GGML_OP_NONE and not (p.flags & GGML_TENSOR_FLAG_PARAM):
+                    add_leafs += 1
+                else:
+                    add_nodes += 1
+                for i in range(GGML_MAX_SRC):
+                    s = p.src[i]
+                    if s != NULL:
+                        stack.append(<uintptr_t>s)
+        if self._n_nodes + add_nodes >= self.size or self._n_leafs + add_leafs >= self.size:
+            raise GGMLError(f"graph of size {self.size} cannot hold {self._n_nodes + add_nodes} nodes and "
+                            f"{self._n_leafs + add_leafs} leafs; create the Graph with a larger size")
+        for obj in tensors:
+            ggml_build_forward_expand(self.ptr, (<Tensor>obj).ptr)
+        self._seen |= new
+        self._n_nodes = ggml_graph_n_nodes(self.ptr)
+        self._n_leafs += add_leafs
+        self.version += 1
+        return self
+
+    def build_backward(self):
+        """Add the backward pass for the loss tensor(s) (set_loss) with respect
+        to every parameter (set_param). Raises UnsupportedBackwardError naming
+        the op where ggml has no gradient, instead of letting ggml abort."""
+        self._ok()
+        if not self.grads:
+            raise GGMLError("build_backward needs a Graph made with grads=True")
+        if self._has_backward:
+            raise GGMLError("the backward pass is already built")
+        cdef int n = ggml_graph_n_nodes(self.ptr), i, j
+        if n == 0:
+            raise GGMLError("build_backward: the graph is empty; call build_forward(loss) first")
+        cdef ggml_tensor * node
+        cdef ggml_tensor * s
+        cdef bint any_param = False, any_loss = False
+        needs = set()     # addresses of nodes depending on a parameter
+        for i in range(n):
+            node = ggml_graph_node(self.ptr, i)
+            if node.flags & GGML_TENSOR_FLAG_PARAM:
+                any_param = True
+                needs.add(<uintptr_t>node)
+            if node.flags & GGML_TENSOR_FLAG_LOSS:
+                any_loss = True
+            if node.type == GGML_TYPE_I32:
+                continue
+            ignored = _IGNORED_SRC.get(<int>node.op, ())
+            if node.op == GGML_OP_UNARY and ggml_unary_op_name(ggml_get_unary_op(node)) in (b"SGN", b"STEP"):
+                ignored = (0,)
+            for j in range(GGML_MAX_SRC):
+                s = node.src[j]
+                if s != NULL and j not in ignored and (<uintptr_t>s) in needs:
+                    if s.type != GGML_TYPE_F32 and s.type != GGML_TYPE_F16:
+                        raise UnsupportedBackwardError(
+                            f"gradient would flow into a {ggml_type_name(s.type).decode()} tensor at "
+                            f"{_node_desc(node)}; only F32/F16 tensors take gradients")
+                    needs.add(<uintptr_t>node)
+                    break
+        if not any_param:
+            raise GGMLError("build_backward: no parameter in the graph (call set_param on the weights)")
+        if not any_loss:
+            raise GGMLError("build_backward: no loss in the graph (call set_loss on the loss)")
+        # nodes that lead to a loss
+        reaches = set()
+        for i in range(n - 1, -1, -1):
+            node = ggml_graph_node(self.ptr, i)
+            if (node.flags & GGML_TENSOR_FLAG_LOSS) or (<uintptr_t>node) in reaches:
+                reaches.add(<uintptr_t>node)
+                for j in range(GGML_MAX_SRC):
+                    if node.src[j] != NULL:
+                        reaches.add(<uintptr_t>node.src[j])
+        cdef int n_bw = 0
+        for i in range(n):
+            node = ggml_graph_node(self.ptr, i)
+            a = <uintptr_t>node
+            if a not in needs or a not in reaches:
+                continue
+            n_bw += 1
+            _check_backward_node(node, needs)
+        if ggml_get_mem_size(self.ctx.ptr) - ggml_used_mem(self.ctx.ptr) < \
+                <size_t>(n_bw * _BACKWARD_TENSORS_PER_NODE) * ggml_tensor_overhead():
+            raise GGMLError(f"Context has too little room for the backward pass of {n_bw} nodes; "
+                            f"create it with max_tensors >= {n_bw * _BACKWARD_TENSORS_PER_NODE + n}")
+        if n + n_bw * _BACKWARD_TENSORS_PER_NODE >= self.size:
+            raise GGMLError(f"graph of size {self.size} may be too small for the backward pass; "
+                            f"create it with size >= {n + n_bw * _BACKWARD_TENSORS_PER_NODE + 1}")
+        ggml_build_backward_expand(self.ctx.ptr, self.ptr, NULL)
+        self._has_backward = True
+        self._n_nodes = ggml_graph_n_nodes(self.ptr)
+        # backward tensors are new: later build_forward must not count them twice
+        for i in range(self._n_nodes):
+            self._seen.add(<uintptr_t>ggml_graph_node(self.ptr, i))
+        self.version += 1
+        return self
+
+    def grad(self, Tensor t):
+        """The gradient tensor of ``t`` (after build_backward), or None."""
+        self._ok()
+        if not self._has_backward:
+            raise GGMLError("no backward pass built")
+        cdef ggml_tensor * g = ggml_graph_get_grad(self.ptr, t.ptr)
+        if g == NULL:
+            return None
+        return _wrap(self.ctx, g, t._ndim)
+
+    def reset(self):
+        """Zero the gradients and set the loss gradient to 1 (the graph must
+        be allocated, e.g. by Runtime.allocate)."""
+        self._ok()
+        if not self._has_backward:
+            raise GGMLError("no backward pass built")
+        cdef int i
+        cdef ggml_tensor * g
+        for i in range(ggml_graph_n_nodes(self.ptr)):
+            node = ggml_graph_node(self.ptr, i)
+            g = ggml_graph_get_grad(self.ptr, node)
+            if g != NULL and (g.buffer == NULL or g.data == NULL):
+                raise GGMLError("reset: the graph's gradients have no memory yet (Runtime.allocate first)")
+        ggml_graph_reset(self.ptr)
+
+    @property
+    def n_nodes(self):
+        self._ok()
+        return ggml_graph_n_nodes(self.ptr)
+
+    @property
+    def nodes(self):
+        """The graph's nodes (op results and parameters) in compute order."""
+        self._ok()
+        cdef int i
+        cdef ggml_tensor * p
+        out = []
+        for i in range(ggml_graph_n_nodes(self.ptr)):
+            p = ggml_graph_node(self.ptr, i)
+            out.append(_wrap(self.ctx, p, max(1, ggml_n_dims(p))))
+        return out
+
+    cdef int _validate(self, list backends, object runtime) except -1:
+        """Once per (graph version, runtime): every node runs somewhere, no
+        node writes into read-only memory, collect data-dependent index
+        checks."""
+        cdef int i, k
+        cdef ggml_tensor * node
+        cdef ggml_tensor * root
+        cdef uintptr_t b
+        cdef bint ok
+        checks = []
+        for i in range(ggml_graph_n_nodes(self.ptr)):
+            node = ggml_graph_node(self.ptr, i)
+            if node.op == GGML_OP_NONE:
+                continue
+            ok = False
+            for k in range(len(backends)):
+                if ggml_backend_supports_op(<ggml_backend_t><uintptr_t>backends[k], node):
+                    ok = True
+                    break
+            if not ok:
+                srcs = ", ".join(ggml_type_name(node.src[k].type).decode() for k in range(GGML_MAX_SRC) if node.src[k] != NULL)
+                raise GGMLError(f"no device of this runtime can run {_node_desc(node)} with inputs ({srcs})")
+            # writes into read-only memory
+            if <int>node.op not in _VIEW_OPS:
+                targets = []
+                if node.view_src != NULL:
+                    targets.append(<uintptr_t>node.view_src)
+                if <int>node.op == _OP_OPT_ADAMW:
+                    for k in (0, 2, 3):
+                        targets.append(<uintptr_t>node.src[k])
+                for ta in targets:
+                    root = <ggml_tensor *><uintptr_t>ta
+                    while root.view_src != NULL:
+                        root = root.view_src
+                    if root.buffer != NULL and (<uintptr_t>root.buffer) in _readonly_buffers:
+                        raise GGMLError(f"{_node_desc(node)} would write into read-only memory "
+                                        f"(tensor {root.name.decode('utf-8', 'replace')!r})")
+            # data-dependent indices of leaf inputs (ggml asserts on them mid-compute)
+            if <int>node.op == _OP_GET_ROWS and node.src[1].op == GGML_OP_NONE:
+                checks.append((<uintptr_t>node.src[1], node.src[0].ne[1], _node_desc(node)))
+            elif <int>node.op == _OP_SET_ROWS and node.src[2].op == GGML_OP_NONE:
+                checks.append((<uintptr_t>node.src[2], node.src[0].ne[1], _node_desc(node)))
+            elif <int>node.op == _OP_MUL_MAT_ID and node.src[2].op == GGML_OP_NONE:
+                checks.append((<uintptr_t>node.src[2], node.src[0].ne[2], _node_desc(node)))
+        self._index_checks = checks
+        self._validated_for = (runtime, self.version)
+        return 0
+
+    cdef int _check_indices(self) except -1:
+        cdef ggml_tensor * t
+        cdef cnp.ndarray arr
+        for addr, bound, desc in self._index_checks:
+            t = <ggml_tensor *><uintptr_t>addr
+            if t.buffer == NULL or t.data == NULL:
+                raise GGMLError(f"{desc}: index tensor {t.name.decode('utf-8', 'replace')!r} has no data")
+            n = ggml_nelements(t)
+            if n == 0:
+                continue
+            arr = np.empty(n, dtype=np.int32 if t.type == GGML_TYPE_I32 else np.int64)
+            ggml_backend_tensor_get(t, cnp.PyArray_DATA(arr), 0, ggml_nbytes(t))
+            lo = arr.min(); hi = arr.max()
+            if lo < 0 or hi >= bound:
+                raise IndexError(f"{desc}: index {lo if lo < 0 else hi} in "
+                                 f"{t.name.decode('utf-8', 'replace')!r} is out of range 0..{bound - 1}")
+        return 0
+
+    def __repr__(self):
+        if self.ctx._closed:
+            return "<Graph (context closed)>"
+        return f"<Graph {ggml_graph_n_nodes(self.ptr)}/{self.size} nodes{' +backward' if self._has_backward else ''}>"
+
+
+cdef int _check_backward_node(ggml_tensor * node, set needs) except -1:
+    cdef int op = <int>node.op
+    if op not in _BW_OPS:
+        raise UnsupportedBackwardError(f"ggml has no backward for {_node_desc(node)}")
+    if node.op == GGML_OP_UNARY and <int>ggml_get_unary_op(node) not in _BW_UNARY:
+        raise UnsupportedBackwardError(f"ggml has no backward for {_node_desc(node)}")
+    if node.op == GGML_OP_GLU:
+        if <int>ggml_get_glu_op(node) not in _BW_GLU or node.src[1] == NULL:
+            raise UnsupportedBackwardError(f"ggml has no backward for {_node_desc(node)} (only split SWIGLU)")
+    if op == _OP_SOFT_MAX and node.src[1] != NULL and (<uintptr_t>node.src[1]) in needs:
+        raise UnsupportedBackwardError(f"{_node_desc(node)}: no gradient for the softmax mask")
+    if op == _OP_ROPE and node.src[2] != NULL and (<uintptr_t>node.src[2]) in needs:
+        raise UnsupportedBackwardError(f"{_node_desc(node)}: no gradient for rope frequency factors")
+    if op == _OP_XENT and node.src[1] != NULL and (<uintptr_t>node.src[1]) in needs:
+        raise UnsupportedBackwardError(f"{_node_desc(node)}: no gradient for cross-entropy labels")
+    return 0

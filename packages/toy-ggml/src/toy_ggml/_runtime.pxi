@@ -1,0 +1,210 @@
+# Devices and the Runtime: a chosen backend plus the CPU backend (always the
+# fallback) under one ggml scheduler, with a persistent CPU thread pool.
+#
+# The device is data: Runtime(device="CUDA0") or "cpu" or "auto"; model code
+# never branches on it. Graph outputs computed by a Runtime stay valid until
+# that Runtime allocates or computes another graph (the scheduler reuses its
+# compute memory).
+
+_KIND = {GGML_BACKEND_DEVICE_TYPE_CPU: "cpu", GGML_BACKEND_DEVICE_TYPE_GPU: "gpu",
+         GGML_BACKEND_DEVICE_TYPE_IGPU: "igpu", GGML_BACKEND_DEVICE_TYPE_ACCEL: "accel",
+         GGML_BACKEND_DEVICE_TYPE_META: "meta"}
+
+
+def devices_raw():
+    """[(index, name, description, kind, free_bytes, total_bytes, backend)]"""
+    cdef size_t i, free_b, total_b
+    cdef ggml_backend_dev_t d
+    out = []
+    for i in range(ggml_backend_dev_count()):
+        d = ggml_backend_dev_get(i)
+        free_b = 0; total_b = 0
+        ggml_backend_dev_memory(d, &free_b, &total_b)
+        out.append((i, ggml_backend_dev_name(d).decode(), ggml_backend_dev_description(d).decode(),
+                    _KIND.get(<int>ggml_backend_dev_type(d), "other"), free_b, total_b,
+                    ggml_backend_reg_name(ggml_backend_dev_backend_reg(d)).decode()))
+    return out
+
+
+def cpu_features():
+    """CPU features ggml was compiled with and detects (name -> bool)."""
+    return {
+        "sse3": bool(ggml_cpu_has_sse3()), "avx": bool(ggml_cpu_has_avx()),
+        "avx2": bool(ggml_cpu_has_avx2()), "f16c": bool(ggml_cpu_has_f16c()),
+        "fma": bool(ggml_cpu_has_fma()), "avx512": bool(ggml_cpu_has_avx512()),
+        "avx512_vnni": bool(ggml_cpu_has_avx512_vnni()), "avx512_bf16": bool(ggml_cpu_has_avx512_bf16()),
+        "amx_int8": bool(ggml_cpu_has_amx_int8()), "neon": bool(ggml_cpu_has_neon()),
+        "llamafile": bool(ggml_cpu_has_llamafile()),
+    }
+
+
+cdef class Runtime(_Handle):
+    """Backends + scheduler + thread pool. ``device``: a device name from
+    devices() (case-insensitive), "cpu", or "auto" (the first GPU, else the
+    CPU). ``threads``: CPU threads (>= 1)."""
+    cdef ggml_backend_t _primary
+    cdef ggml_backend_t _cpu
+    cdef ggml_backend_sched_t _sched
+    cdef ggml_threadpool_t _tp
+    cdef int _sched_size
+    cdef readonly int threads
+    cdef readonly str device
+    cdef object _current          # (graph, version) allocated in the scheduler
+    cdef list _backend_addrs
+
+    def __cinit__(self, *args, **kwargs):
+        self._primary = NULL
+        self._cpu = NULL
+        self._sched = NULL
+        self._tp = NULL
+        self._current = None
+
+    def __init__(self, device="auto", int threads=1, int graph_size=8192):
+        cdef size_t i
+        cdef ggml_backend_dev_t d, chosen = NULL
+        if threads < 1 or threads > 512:
+            raise ValueError(f"threads={threads} must be in 1..512")
+        if device is None:
+            device = "auto"
+        want = str(device).lower()
+        names = []
+        for i in range(ggml_backend_dev_count()):
+            d = ggml_backend_dev_get(i)
+            nm = ggml_backend_dev_name(d).decode()
+            names.append(nm)
+            dkind = <int>ggml_backend_dev_type(d)
+            if want == "auto":
+                if chosen == NULL and (dkind == <int>GGML_BACKEND_DEVICE_TYPE_GPU or dkind == <int>GGML_BACKEND_DEVICE_TYPE_IGPU):
+                    chosen = d
+            elif want == "cpu":
+                if dkind == <int>GGML_BACKEND_DEVICE_TYPE_CPU and chosen == NULL:
+                    chosen = d
+            elif nm.lower() == want:
+                chosen = d
+        if chosen == NULL and want not in ("auto", "cpu"):
+            raise ValueError(f"unknown device {device!r}; available: {', '.join(names) or 'none'}")
+        self._cpu = ggml_backend_cpu_init()
+        if self._cpu == NULL:
+            raise GGMLError("could not start the CPU backend")
+        if chosen != NULL and ggml_backend_dev_type(chosen) != GGML_BACKEND_DEVICE_TYPE_CPU:
+            self._primary = ggml_backend_dev_init(chosen, NULL)
+            if self._primary == NULL:
+                ggml_backend_free(self._cpu)
+                self._cpu = NULL
+                raise GGMLError(f"could not start device {ggml_backend_dev_name(chosen).decode()}")
+            self.device = ggml_backend_dev_name(chosen).decode()
+        else:
+            self._primary = self._cpu
+            self.device = "CPU"
+        self.threads = threads
+        ggml_backend_cpu_set_n_threads(self._cpu, threads)
+        cdef ggml_threadpool_params tpp
+        if threads > 1:
+            tpp = ggml_threadpool_params_default(threads)
+            self._tp = ggml_threadpool_new(&tpp)
+            if self._tp != NULL:
+                ggml_backend_cpu_set_threadpool(self._cpu, self._tp)
+        self._backend_addrs = [<uintptr_t>self._primary]
+        if self._primary != self._cpu:
+            self._backend_addrs.append(<uintptr_t>self._cpu)
+        self._make_sched(max(graph_size, 1024))
+
+    cdef int _make_sched(self, int size) except -1:
+        cdef ggml_backend_t bk[2]
+        cdef int n = 1
+        if self._sched != NULL:
+            ggml_backend_sched_free(self._sched)
+            self._sched = NULL
+        bk[0] = self._primary
+        if self._primary != self._cpu:
+            bk[1] = self._cpu
+            n = 2
+        self._sched = ggml_backend_sched_new(bk, NULL, n, size, False, True)
+        if self._sched == NULL:
+            raise GGMLError("could not create the backend scheduler")
+        self._sched_size = size
+        self._current = None
+        return 0
+
+    cdef void _free_resources(self) noexcept:
+        if self._sched != NULL:
+            ggml_backend_sched_free(self._sched)
+            self._sched = NULL
+        if self._cpu != NULL and self._tp != NULL:
+            ggml_backend_cpu_set_threadpool(self._cpu, NULL)
+        if self._tp != NULL:
+            ggml_threadpool_free(self._tp)
+            self._tp = NULL
+        if self._primary != NULL and self._primary != self._cpu:
+            ggml_backend_free(self._primary)
+        self._primary = NULL
+        if self._cpu != NULL:
+            ggml_backend_free(self._cpu)
+            self._cpu = NULL
+
+    def __dealloc__(self):
+        if not self._freed:
+            self._freed = True
+            self._free_resources()
+
+    cdef ggml_backend_buffer_type_t _primary_buft(self) except NULL:
+        self._check_open()
+        return ggml_backend_get_default_buffer_type(self._primary)
+
+    @property
+    def backends(self):
+        """Names of the backends, primary first (CPU last as the fallback)."""
+        self._check_open()
+        out = [ggml_backend_name(self._primary).decode()]
+        if self._primary != self._cpu:
+            out.append(ggml_backend_name(self._cpu).decode())
+        return out
+
+    cdef int _prepare(self, Graph graph) except -1:
+        self._check_open()
+        graph._ok()
+        if graph._validated_for != (self, graph.version):
+            graph._validate(self._backend_addrs, self)
+        if self._current is not None and self._current[0] is graph and self._current[1] == graph.version:
+            return 0
+        cdef int need = ggml_graph_n_nodes(graph.ptr) + graph._n_leafs + 16
+        if need * 2 > self._sched_size:
+            self._make_sched(need * 2)
+        ggml_backend_sched_reset(self._sched)
+        cdef bint ok
+        with nogil:
+            ok = ggml_backend_sched_alloc_graph(self._sched, graph.ptr)
+        if not ok:
+            self._current = None
+            raise MemoryError("the scheduler could not allocate the graph's tensors")
+        self._current = (graph, graph.version)
+        graph.ctx._add_dep(self)   # its tensors now point into our buffers
+        return 0
+
+    def allocate(self, Graph graph):
+        """Give the graph's unallocated tensors memory (so inputs can be set
+        before compute). compute() does this itself when needed."""
+        self._prepare(graph)
+
+    def compute(self, Graph graph):
+        """Compute the graph (GIL released). Leaf index tensors feeding
+        get_rows / set_rows / mul_mat_id are range-checked first."""
+        self._prepare(graph)
+        if graph._index_checks:
+            graph._check_indices()
+        cdef ggml_status st
+        with nogil:
+            st = ggml_backend_sched_graph_compute(self._sched, graph.ptr)
+        if st != GGML_STATUS_SUCCESS:
+            self._current = None
+            _check_status(st, "graph compute")
+
+    def n_splits(self):
+        """How many backend splits the last allocated graph needed."""
+        self._check_open()
+        return ggml_backend_sched_get_n_splits(self._sched)
+
+    def __repr__(self):
+        if self._closed:
+            return "<Runtime closed>"
+        return f"<Runtime device={self.device} threads={self.threads} backends={self.backends}>"

@@ -1,0 +1,81 @@
+"""Devices ggml reports, thread defaults, and device choice.
+
+The device is data: ``--device`` > ``TOY_DEVICE`` > ``auto``. ``auto`` picks
+the first GPU ggml reports and otherwise the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from toy_ggml import _core
+
+
+@dataclass(frozen=True)
+class Device:
+    index: int
+    name: str
+    description: str
+    kind: str          # cpu | gpu | igpu | accel | meta
+    memory_free: int   # bytes, as ggml reports (0 when unknown)
+    memory_total: int
+    backend: str       # the ggml backend registry that provides it
+
+
+def devices() -> list[Device]:
+    """Every device ggml can use in this build (the CPU is always there)."""
+    return [Device(*row) for row in _core.devices_raw()]
+
+
+def resolve_device(flag: str | None = None) -> str:
+    """The device to use: the flag if given, else TOY_DEVICE, else "auto"."""
+    if flag:
+        return flag
+    return os.environ.get("TOY_DEVICE") or "auto"
+
+
+def physical_cores() -> int:
+    """Physical cores available to this process (hyper-threads counted
+    once); falls back to the logical count where that cannot be told."""
+    try:
+        allowed = os.sched_getaffinity(0)
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+    cores = set()
+    try:
+        cpu = None
+        phys = core = None
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key == "processor":
+                    cpu = int(val)
+                elif key == "physical id":
+                    phys = val.strip()
+                elif key == "core id":
+                    core = val.strip()
+                elif not line.strip() and cpu is not None:
+                    if cpu in allowed:
+                        cores.add((phys, core) if core is not None else ("cpu", cpu))
+                    cpu = phys = core = None
+        if cpu is not None and cpu in allowed:
+            cores.add((phys, core) if core is not None else ("cpu", cpu))
+    except OSError:
+        return len(allowed) or 1
+    return max(1, min(len(cores), len(allowed))) if cores else max(1, len(allowed))
+
+
+def default_threads() -> int:
+    """TOY_THREADS if set, else the number of physical cores."""
+    env = os.environ.get("TOY_THREADS")
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            raise ValueError(f"TOY_THREADS={env!r} is not a whole number") from None
+        if n < 1:
+            raise ValueError(f"TOY_THREADS={n} must be >= 1")
+        return n
+    return physical_cores()
