@@ -1,0 +1,5 @@
+import sys
+
+from toy_cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,166 @@
+"""The ``toy`` command.
+
+Conventions (DESIGN.md section 6): data on stdout (``--json`` for structured
+output), logs and progress on stderr; bad input exits 2, failures exit 1,
+each with an ``error:`` line and an optional ``hint:`` line on stderr and no
+traceback unless ``--verbose``. Heavy imports happen inside commands so
+``toy --help`` stays fast.
+
+Other distributions add subcommands through the ``toy.commands`` entry-point
+group (each entry point is a ``typer.Typer`` or a function registered as a
+command). Known optional ones that are not installed answer with a hint
+naming the package to install.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from importlib.metadata import entry_points
+
+import typer
+
+from toy_cli import __version__
+
+app = typer.Typer(
+    name="toy",
+    help="Train, fine-tune, evaluate and serve small transformers from and to GGUF files.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# subcommand -> distribution that provides it
+OPTIONAL = {"serve": "toy-serve", "vit": "toy-vit"}
+
+_state = {"verbose": False}
+
+
+class CLIError(Exception):
+    """An error the CLI reports as error:/hint: with an exit code."""
+
+    def __init__(self, message: str, hint: str | None = None, code: int = 1):
+        super().__init__(message)
+        self.hint = hint
+        self.code = code
+
+
+def _version(value: bool) -> None:
+    if value:
+        import toy_ggml
+
+        typer.echo(f"toy {__version__} (ggml {toy_ggml.GGML_VERSION}, backend {toy_ggml.build_config.BACKEND})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show tracebacks and debug logs."),
+) -> None:
+    _state["verbose"] = verbose
+    if verbose:
+        import logging
+
+        logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)
+
+
+@app.command()
+def devices(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """List the ggml devices and what this build contains."""
+    import toy_ggml
+
+    devs = toy_ggml.devices()
+    build = {
+        "backend": toy_ggml.build_config.BACKEND,
+        "native": toy_ggml.build_config.NATIVE,
+        "ggml_version": toy_ggml.GGML_VERSION,
+        "patches": list(toy_ggml.build_config.PATCHES),
+        "cpu_features": [k for k, v in toy_ggml.cpu_features().items() if v],
+        "default_threads": toy_ggml.default_threads(),
+    }
+    if as_json:
+        typer.echo(json.dumps({"devices": [d.__dict__ for d in devs], "build": build}, indent=2))
+        return
+    for d in devs:
+        mem = f"{d.memory_total / 2**30:.1f} GiB" if d.memory_total else "-"
+        typer.echo(f"{d.name:<10} {d.kind:<6} {mem:>10}  {d.description}")
+    typer.echo(
+        f"build: ggml {build['ggml_version']}, backend {build['backend']}, native={build['native']}, "
+        f"patches: {', '.join(build['patches']) or 'none'}",
+        err=True,
+    )
+    typer.echo(f"cpu features: {' '.join(build['cpu_features'])}; threads: {build['default_threads']}", err=True)
+
+
+def _missing(name: str, dist: str):
+    def cmd() -> None:
+        raise CLIError(f"'toy {name}' is not installed", hint=f"pip install {dist}", code=2)
+
+    cmd.__doc__ = f"(not installed: pip install {dist})"
+    return cmd
+
+
+def _load_plugins() -> None:
+    found = set()
+    for ep in entry_points(group="toy.commands"):
+        try:
+            obj = ep.load()
+        except Exception as e:  # a broken plugin must not break the command
+            print(f"warning: could not load toy command {ep.name!r} from {ep.value}: {e}", file=sys.stderr)
+            continue
+        if isinstance(obj, typer.Typer):
+            app.add_typer(obj, name=ep.name)
+        else:
+            app.command(ep.name)(obj)
+        found.add(ep.name)
+    for name, dist in OPTIONAL.items():
+        if name not in found:
+            app.command(name, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})(
+                _missing(name, dist)
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: runs the app and maps errors to error:/hint: and exit codes."""
+    _load_plugins()
+    try:
+        app(args=argv, standalone_mode=False)
+    except CLIError as e:
+        _report(e, str(e), e.hint, e.code)
+        return e.code
+    except SystemExit as e:  # typer.Exit inside standalone_mode=False
+        return int(e.code or 0)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the last line of defence
+        import click
+
+        if isinstance(e, click.exceptions.Exit):
+            return e.exit_code
+        if isinstance(e, click.UsageError):
+            _report(e, e.format_message(), "see --help", 2)
+            return 2
+        if isinstance(e, click.exceptions.Abort):
+            print("error: aborted", file=sys.stderr)
+            return 1
+        hint = getattr(e, "hint", None)
+        code = 2 if isinstance(e, (ValueError, TypeError, FileNotFoundError)) else 1
+        _report(e, str(e) or type(e).__name__, hint, code)
+        return code
+    return 0
+
+
+def _report(exc: BaseException, message: str, hint: str | None, code: int) -> None:
+    if _state["verbose"]:
+        import traceback
+
+        traceback.print_exception(exc)
+    print(f"error: {message}", file=sys.stderr)
+    if hint:
+        print(f"hint: {hint}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

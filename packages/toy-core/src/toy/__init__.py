@@ -1,0 +1,11 @@
+"""toy: train, fine-tune, evaluate and serve small transformers from and to GGUF.
+
+This package holds the library (models, engines, recipes, GGUF IO). Tensor
+ops run in ggml through ``toy_ggml``; nothing here touches a C pointer.
+"""
+
+from toy.errors import ToyError
+
+__version__ = "0.1.0"
+
+__all__ = ["ToyError", "__version__"]

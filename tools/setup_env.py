@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Create or refresh the development environment at ``.venv/``.
+
+Steps (each skipped when its inputs did not change since the last run):
+
+1. create ``.venv`` with the running Python;
+2. install the build and dev requirements (``requirements/dev.txt``);
+3. lay out the pinned, patched ggml (``tools/fetch_ggml.py``, itself a no-op
+   when its stamp matches);
+4. install every package editable: ``toy-ggml`` through meson-python (its
+   build directory is ``build/toy-ggml``; the editable loader rebuilds changed
+   sources on import), then ``toy-core`` and ``toy-cli``.
+
+A stamp (``.venv/.toy-setup.json``) records a hash of every input file, so a
+second run with nothing changed only checks hashes. ``--force`` redoes all.
+Options for toy-ggml's build come from the environment:
+``TOY_GGML_BACKEND`` (cpu | cuda | metal) and ``TOY_GGML_NATIVE`` (0/1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = ROOT / ".venv"
+STAMP = VENV / ".toy-setup.json"
+PY = VENV / "bin" / "python"
+
+PACKAGES = ["toy-core", "toy-cli"]  # pure-Python, installed after toy-ggml
+
+
+def digest(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        if p.is_file():
+            h.update(str(p.relative_to(ROOT)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def inputs() -> dict[str, str]:
+    ggml_pkg = ROOT / "packages" / "toy-ggml"
+    return {
+        "requirements": digest(list((ROOT / "requirements").glob("*.txt"))),
+        "ggml": digest(
+            [ROOT / "tools" / "fetch_ggml.py"] + list((ggml_pkg / "patches").glob("*.patch"))
+        ),
+        "toy-ggml": digest(
+            [ggml_pkg / "pyproject.toml", ggml_pkg / "meson.build", ggml_pkg / "meson.options",
+             ggml_pkg / "src" / "toy_ggml" / "meson.build"]
+        )
+        + f"|{os.environ.get('TOY_GGML_BACKEND', 'cpu')}|{os.environ.get('TOY_GGML_NATIVE', '0')}",
+        "packages": digest([ROOT / "packages" / p / "pyproject.toml" for p in PACKAGES]),
+        "python": sys.version,
+    }
+
+
+def run(cmd: list[str], what: str) -> None:
+    print(f"setup: {what}", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT)
+    if proc.returncode != 0:
+        print(f"error: setup step failed ({what}): {' '.join(cmd)}", file=sys.stderr)
+        sys.exit(1)
+
+
+def pip(*args: str, what: str) -> None:
+    run([str(PY), "-m", "pip", "--disable-pip-version-check", "-q", *args], what)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="create or refresh .venv")
+    ap.add_argument("--force", action="store_true")
+    args = ap.parse_args()
+
+    if not PY.exists():
+        print("setup: creating .venv", file=sys.stderr)
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    try:
+        old = {} if args.force else json.loads(STAMP.read_text())
+    except (OSError, ValueError):
+        old = {}
+    new = inputs()
+    done: dict[str, str] = {}
+
+    def step(key: str) -> bool:
+        return old.get(key) != new[key] or old.get("python") != new["python"]
+
+    if step("requirements"):
+        pip("install", "--upgrade", "pip", what="upgrading pip")
+        pip("install", "-r", "requirements/dev.txt", what="installing build and dev requirements")
+    done["requirements"] = new["requirements"]
+
+    ggml_changed = step("ggml")
+    run([str(PY), "tools/fetch_ggml.py"], "laying out ggml source")
+    done["ggml"] = new["ggml"]
+
+    if ggml_changed or step("toy-ggml"):
+        backend = os.environ.get("TOY_GGML_BACKEND", "cpu")
+        native = "true" if os.environ.get("TOY_GGML_NATIVE", "0") == "1" else "false"
+        build_dir = ROOT / "build" / f"toy-ggml-{backend}"
+        pip(
+            "install", "--no-build-isolation", "--no-deps",
+            f"-Cbuild-dir={build_dir}",
+            f"-Csetup-args=-Dggml_backend={backend}",
+            f"-Csetup-args=-Dnative={native}",
+            "-e", "packages/toy-ggml",
+            what=f"building toy-ggml (backend={backend}, native={native}; first build takes minutes)",
+        )
+    done["toy-ggml"] = new["toy-ggml"]
+
+    if step("packages") or ggml_changed:
+        pip("install", *[x for p in PACKAGES for x in ("-e", f"packages/{p}")],
+            what="installing toy-core and toy-cli (editable)")
+    done["packages"] = new["packages"]
+    done["python"] = new["python"]
+    STAMP.write_text(json.dumps(done, indent=2) + "\n")
+    print("setup: .venv is ready (.venv/bin/toy)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
