@@ -135,14 +135,15 @@ def main(argv: list[str] | None = None) -> int:
         print("error: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - the last line of defence
-        import click
-
-        if isinstance(e, click.exceptions.Exit):
-            return e.exit_code
-        if isinstance(e, click.UsageError):
-            _report(e, e.format_message(), "see --help", 2)
-            return 2
-        if isinstance(e, click.exceptions.Abort):
+        # typer carries its own copy of click, so click's exceptions are
+        # recognized by shape: usage errors have format_message and exit_code 2.
+        if hasattr(e, "format_message") and hasattr(e, "exit_code"):
+            code = int(e.exit_code) if e.exit_code else 1
+            _report(e, e.format_message(), "see --help" if code == 2 else None, code)
+            return code
+        if type(e).__name__ == "Exit" and hasattr(e, "exit_code"):
+            return int(e.exit_code)
+        if type(e).__name__ == "Abort":
             print("error: aborted", file=sys.stderr)
             return 1
         hint = getattr(e, "hint", None)

@@ -80,6 +80,7 @@ cdef class Graph:
     cdef public int version            # bumped on every change (runtimes re-allocate)
     cdef object _validated_for         # Runtime the graph was last checked for
     cdef list _index_checks            # [(Tensor idx, bound, desc)] data-dependent ranges
+    cdef object __weakref__
 
     def __init__(self, Context ctx, int size=2048, bint grads=False):
         ctx._check_open()

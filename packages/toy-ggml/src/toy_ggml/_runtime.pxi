@@ -6,6 +6,8 @@
 # that Runtime allocates or computes another graph (the scheduler reuses its
 # compute memory).
 
+import weakref
+
 _KIND = {GGML_BACKEND_DEVICE_TYPE_CPU: "cpu", GGML_BACKEND_DEVICE_TYPE_GPU: "gpu",
          GGML_BACKEND_DEVICE_TYPE_IGPU: "igpu", GGML_BACKEND_DEVICE_TYPE_ACCEL: "accel",
          GGML_BACKEND_DEVICE_TYPE_META: "meta"}
@@ -41,7 +43,8 @@ def cpu_features():
 cdef class Runtime(_Handle):
     """Backends + scheduler + thread pool. ``device``: a device name from
     devices() (case-insensitive), "cpu", or "auto" (the first GPU, else the
-    CPU). ``threads``: CPU threads (>= 1)."""
+    CPU). ``threads``: CPU threads (>= 1). One thread uses a Runtime at a
+    time (a second concurrent compute raises)."""
     cdef ggml_backend_t _primary
     cdef ggml_backend_t _cpu
     cdef ggml_backend_sched_t _sched
@@ -49,7 +52,8 @@ cdef class Runtime(_Handle):
     cdef int _sched_size
     cdef readonly int threads
     cdef readonly str device
-    cdef object _current          # (graph, version) allocated in the scheduler
+    cdef object _current          # (weakref to graph, version) allocated in the scheduler
+    cdef bint _busy               # a compute is running (GIL released)
     cdef list _backend_addrs
 
     def __cinit__(self, *args, **kwargs):
@@ -58,6 +62,7 @@ cdef class Runtime(_Handle):
         self._sched = NULL
         self._tp = NULL
         self._current = None
+        self._busy = False
 
     def __init__(self, device="auto", int threads=1, int graph_size=8192):
         cdef size_t i
@@ -147,6 +152,12 @@ cdef class Runtime(_Handle):
             self._freed = True
             self._free_resources()
 
+    def close(self):
+        """Release the backends (deferred while contexts computed here live)."""
+        if self._busy:
+            raise GGMLError("cannot close a Runtime while it computes")
+        _Handle.close(self)
+
     cdef ggml_backend_buffer_type_t _primary_buft(self) except NULL:
         self._check_open()
         return ggml_backend_get_default_buffer_type(self._primary)
@@ -165,19 +176,25 @@ cdef class Runtime(_Handle):
         graph._ok()
         if graph._validated_for != (self, graph.version):
             graph._validate(self._backend_addrs, self)
-        if self._current is not None and self._current[0] is graph and self._current[1] == graph.version:
+        if self._busy:
+            raise GGMLError("this Runtime is computing in another thread; use one Runtime per thread")
+        if self._current is not None and self._current[0]() is graph and self._current[1] == graph.version:
             return 0
         cdef int need = ggml_graph_n_nodes(graph.ptr) + graph._n_leafs + 16
         if need * 2 > self._sched_size:
             self._make_sched(need * 2)
         ggml_backend_sched_reset(self._sched)
         cdef bint ok
-        with nogil:
-            ok = ggml_backend_sched_alloc_graph(self._sched, graph.ptr)
+        self._busy = True
+        try:
+            with nogil:
+                ok = ggml_backend_sched_alloc_graph(self._sched, graph.ptr)
+        finally:
+            self._busy = False
         if not ok:
             self._current = None
             raise MemoryError("the scheduler could not allocate the graph's tensors")
-        self._current = (graph, graph.version)
+        self._current = (weakref.ref(graph), graph.version)
         graph.ctx._add_dep(self)   # its tensors now point into our buffers
         return 0
 
@@ -193,8 +210,12 @@ cdef class Runtime(_Handle):
         if graph._index_checks:
             graph._check_indices()
         cdef ggml_status st
-        with nogil:
-            st = ggml_backend_sched_graph_compute(self._sched, graph.ptr)
+        self._busy = True
+        try:
+            with nogil:
+                st = ggml_backend_sched_graph_compute(self._sched, graph.ptr)
+        finally:
+            self._busy = False
         if st != GGML_STATUS_SUCCESS:
             self._current = None
             _check_status(st, "graph compute")
