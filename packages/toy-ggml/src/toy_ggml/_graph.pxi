@@ -245,6 +245,12 @@ cdef class Graph:
                 raise GGMLError("reset: the graph's gradients have no memory yet (Runtime.allocate first)")
         ggml_graph_reset(self.ptr)
 
+    def log(self):
+        """Describe the graph (nodes, shapes, ops) through ggml's own printer,
+        which writes to the ``toy_ggml`` logger at INFO level."""
+        self._ok()
+        ggml_graph_print(self.ptr)
+
     @property
     def n_nodes(self):
         self._ok()

@@ -226,6 +226,7 @@ cdef extern from "ggml.h" nogil:
     int ggml_graph_n_nodes(ggml_cgraph * cgraph)
     ggml_tensor * ggml_graph_node(ggml_cgraph * cgraph, int i)
     ggml_tensor * ggml_graph_get_grad(const ggml_cgraph * cgraph, const ggml_tensor * node)
+    void ggml_graph_print(const ggml_cgraph * cgraph)
 
     # logging and quantization
     void ggml_log_set(ggml_log_callback log_callback, void * user_data)
