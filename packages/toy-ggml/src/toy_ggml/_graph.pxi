@@ -308,8 +308,9 @@ cdef class Graph:
             # data-dependent indices of leaf inputs (ggml asserts on them mid-compute)
             if <int>node.op == _OP_GET_ROWS and node.src[1].op == GGML_OP_NONE:
                 checks.append((<uintptr_t>node.src[1], node.src[0].ne[1], _node_desc(node)))
-            elif <int>node.op == _OP_SET_ROWS and node.src[2].op == GGML_OP_NONE:
-                checks.append((<uintptr_t>node.src[2], node.src[0].ne[1], _node_desc(node)))
+            elif <int>node.op == _OP_SET_ROWS and node.src[1].op == GGML_OP_NONE:
+                # ggml_set_rows stores src = (rows, indices, destination)
+                checks.append((<uintptr_t>node.src[1], node.src[2].ne[1], _node_desc(node)))
             elif <int>node.op == _OP_MUL_MAT_ID and node.src[2].op == GGML_OP_NONE:
                 checks.append((<uintptr_t>node.src[2], node.src[0].ne[2], _node_desc(node)))
         self._index_checks = checks

@@ -233,7 +233,8 @@ cdef class Context(_ContextBase):
     def mul_mat(self, Tensor a, Tensor b):
         """b @ a.T over the last two axes: a (..., M, K) weights (any type
         with a dot product, quantized included), b (..., N, K) F32 -> (..., N, M)
-        F32. a's leading extents broadcast over b's."""
+        F32. a's leading extents must divide b's; b's batch j uses a's batch
+        j // (b_extent // a_extent) (repeat-interleave, not NumPy tiling)."""
         self._in2(a, b)
         _f32(b, "mul_mat", "b")
         if not _type_valid(<int>a.ptr.type) or a.ptr.type in (GGML_TYPE_I32, GGML_TYPE_I64) or <int>a.ptr.type in (24, 25):
@@ -348,22 +349,24 @@ cdef class Context(_ContextBase):
 
     def cpy(self, Tensor a, Tensor b):
         """Copy a into b (same element count; converts, and quantizes, to b's
-        type). The result is b after the copy."""
+        type). Supported: same type; F32/F16/BF16 to each other; F32 to I32;
+        I32 to F32; F32/F16/BF16 to Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/K-quants/IQ4_NL;
+        quantized to F32. The result is b after the copy."""
         self._in2(a, b)
         if ggml_nelements(a.ptr) != ggml_nelements(b.ptr):
             raise ValueError(f"cpy: a {_shp(a)} and b {_shp(b)} differ in element count")
-        if a.ptr.type != GGML_TYPE_F32 and a.ptr.type != GGML_TYPE_F16 and a.ptr.type != b.ptr.type:
-            raise TypeError(f"cpy: source must be F32 or F16 (or b's type), got {a.dtype.name}")
+        _check_copy(<int>a.ptr.type, <int>b.ptr.type, "cpy")
         if b.ptr.ne[0] % ggml_blck_size(b.ptr.type) != 0:
             raise ValueError("cpy: b's rows are not whole blocks")
         return self._r(ggml_cpy(self.ptr, a.ptr, b.ptr), b._ndim)
 
     def cast(self, Tensor a, dtype):
-        """a converted to ``dtype`` (F32, F16, BF16 or I32)."""
+        """a converted to ``dtype``; the conversions cpy() supports."""
         self._in1(a)
         cdef int t = int(dtype)
-        if t not in (<int>GGML_TYPE_F32, <int>GGML_TYPE_F16, 30, <int>GGML_TYPE_I32):
-            raise TypeError(f"cast: unsupported target type {dtype!r}")
+        if not _type_valid(t):
+            raise TypeError(f"cast: unknown target type {dtype!r}")
+        _check_copy(<int>a.ptr.type, t, "cast")
         return self._r(ggml_cast(self.ptr, a.ptr, <ggml_type>t), a._ndim)
 
     def concat(self, Tensor a, Tensor b, int axis):
@@ -621,6 +624,23 @@ cdef class Context(_ContextBase):
         if ggml_nelements(hparams.ptr) != 7:
             raise ValueError(f"opt_step_adamw: hparams must have 7 values, got {ggml_nelements(hparams.ptr)}")
         return self._r(ggml_opt_step_adamw(self.ptr, param.ptr, grad.ptr, m.ptr, v.ptr, hparams.ptr), param._ndim)
+
+
+# types ggml's CPU copy (ggml_compute_forward_dup) can quantize into
+cdef set _COPY_QUANT_DST = {2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20}
+cdef set _COPY_FLOAT = {0, 1, 30}   # F32, F16, BF16
+
+
+cdef int _check_copy(int src, int dst, str name) except -1:
+    if src == dst:
+        return 0
+    if src in _COPY_FLOAT and (dst in _COPY_FLOAT or dst in _COPY_QUANT_DST):
+        return 0
+    if src == <int>GGML_TYPE_F32 and dst == <int>GGML_TYPE_I32:
+        return 0
+    if dst == <int>GGML_TYPE_F32 and (src == <int>GGML_TYPE_I32 or ggml_is_quantized(<ggml_type>src)):
+        return 0
+    raise TypeError(f"{name}: ggml cannot convert {GGMLType(src).name} to {GGMLType(dst).name}")
 
 
 cdef int _check_conv(Tensor kernel, Tensor x, int s0, int s1, int p0, int p1, int d0, int d1, str name) except -1:
