@@ -57,7 +57,10 @@ def inputs() -> dict[str, str]:
              ggml_pkg / "src" / "toy_ggml" / "meson.build"]
         )
         + f"|{os.environ.get('TOY_GGML_BACKEND', 'cpu')}|{os.environ.get('TOY_GGML_NATIVE', '0')}",
-        "packages": digest([ROOT / "packages" / p / "pyproject.toml" for p in PACKAGES]),
+        "packages": digest(
+            [ROOT / "packages" / p / f for p in PACKAGES for f in ("pyproject.toml", "setup.py")]
+            + list((ROOT / "packages" / "toy-core" / "src").rglob("*.pyx"))
+        ),
         "python": sys.version,
     }
 
@@ -116,7 +119,7 @@ def main() -> int:
     done["toy-ggml"] = new["toy-ggml"]
 
     if step("packages") or ggml_changed:
-        pip("install", *[x for p in PACKAGES for x in ("-e", f"packages/{p}")],
+        pip("install", "--no-build-isolation", *[x for p in PACKAGES for x in ("-e", f"packages/{p}")],
             what="installing toy-core and toy-cli (editable)")
     done["packages"] = new["packages"]
     done["python"] = new["python"]

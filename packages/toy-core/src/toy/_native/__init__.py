@@ -1,0 +1,1 @@
+"""Compiled helpers for hot loops in pure-Python modules (no ggml here)."""
