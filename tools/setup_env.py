@@ -49,12 +49,14 @@ def inputs() -> dict[str, str]:
     ggml_pkg = ROOT / "packages" / "toy-ggml"
     return {
         "requirements": digest(list((ROOT / "requirements").glob("*.txt"))),
-        "ggml": digest(
-            [ROOT / "tools" / "fetch_ggml.py"] + list((ggml_pkg / "patches").glob("*.patch"))
-        ),
+        "ggml": digest([ROOT / "tools" / "fetch_ggml.py"] + list((ggml_pkg / "patches").glob("*.patch"))),
         "toy-ggml": digest(
-            [ggml_pkg / "pyproject.toml", ggml_pkg / "meson.build", ggml_pkg / "meson.options",
-             ggml_pkg / "src" / "toy_ggml" / "meson.build"]
+            [
+                ggml_pkg / "pyproject.toml",
+                ggml_pkg / "meson.build",
+                ggml_pkg / "meson.options",
+                ggml_pkg / "src" / "toy_ggml" / "meson.build",
+            ]
         )
         + f"|{os.environ.get('TOY_GGML_BACKEND', 'cpu')}|{os.environ.get('TOY_GGML_NATIVE', '0')}",
         "packages": digest(
@@ -109,18 +111,25 @@ def main() -> int:
         native = "true" if os.environ.get("TOY_GGML_NATIVE", "0") == "1" else "false"
         build_dir = ROOT / "build" / f"toy-ggml-{backend}"
         pip(
-            "install", "--no-build-isolation", "--no-deps",
+            "install",
+            "--no-build-isolation",
+            "--no-deps",
             f"-Cbuild-dir={build_dir}",
             f"-Csetup-args=-Dggml_backend={backend}",
             f"-Csetup-args=-Dnative={native}",
-            "-e", "packages/toy-ggml",
+            "-e",
+            "packages/toy-ggml",
             what=f"building toy-ggml (backend={backend}, native={native}; first build takes minutes)",
         )
     done["toy-ggml"] = new["toy-ggml"]
 
     if step("packages") or ggml_changed:
-        pip("install", "--no-build-isolation", *[x for p in PACKAGES for x in ("-e", f"packages/{p}")],
-            what="installing toy-core and toy-cli (editable)")
+        pip(
+            "install",
+            "--no-build-isolation",
+            *[x for p in PACKAGES for x in ("-e", f"packages/{p}")],
+            what="installing toy-core and toy-cli (editable)",
+        )
     done["packages"] = new["packages"]
     done["python"] = new["python"]
     STAMP.write_text(json.dumps(done, indent=2) + "\n")

@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import toy_ggml
-
 from toy_cli.main import main
 
 

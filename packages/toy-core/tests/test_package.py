@@ -1,8 +1,7 @@
 """toy-core basics: importable, version in lockstep with toy-ggml, error base."""
 
-import toy_ggml
-
 import toy
+import toy_ggml
 from toy import ToyError
 
 

@@ -61,6 +61,10 @@ def eval_graph(rt, build, *inputs, max_tensors=512, params=()):
         for t, (how, arr) in made:
             (t.set if how == "set" else t.set_float)(arr)
         rt.compute(g)
-        res = tuple(o.numpy() if o.dtype in (tg.GGMLType.F32, tg.GGMLType.I32, tg.GGMLType.F16, tg.GGMLType.I64)
-                    else o.to_float() for o in outs)
+        res = tuple(
+            o.numpy()
+            if o.dtype in (tg.GGMLType.F32, tg.GGMLType.I32, tg.GGMLType.F16, tg.GGMLType.I64)
+            else o.to_float()
+            for o in outs
+        )
         return res if isinstance(out, tuple) else res[0]

@@ -55,7 +55,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show tracebacks and debug logs."),
 ) -> None:
     _state["verbose"] = verbose

@@ -566,7 +566,9 @@ cdef class Context(_ContextBase):
     def conv_2d(self, Tensor kernel, Tensor x, int s0=1, int s1=1, int p0=0, int p1=0, int d0=1, int d1=1):
         """2-D convolution (im2col + matmul): kernel (OC, C, KH, KW) F32 or F16,
         x (N, C, H, W) F32 -> (N, OC, OH, OW). s/p/d: stride, padding,
-        dilation along W (0) and H (1)."""
+        dilation along W (0) and H (1). ggml builds the patches in F16 (in
+        F32 only for a BF16 kernel), so x is rounded to F16; for exact F32
+        use im2col(dtype=F32) + mul_mat."""
         self._room(8)
         kernel._ok(); x._ok(); self._use(kernel); self._use(x)
         _f32(x, "conv_2d", "x")

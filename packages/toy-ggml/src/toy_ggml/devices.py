@@ -17,10 +17,10 @@ class Device:
     index: int
     name: str
     description: str
-    kind: str          # cpu | gpu | igpu | accel | meta
-    memory_free: int   # bytes, as ggml reports (0 when unknown)
+    kind: str  # cpu | gpu | igpu | accel | meta
+    memory_free: int  # bytes, as ggml reports (0 when unknown)
     memory_total: int
-    backend: str       # the ggml backend registry that provides it
+    backend: str  # the ggml backend registry that provides it
 
 
 def devices() -> list[Device]:

@@ -65,6 +65,12 @@ class GGMLType(IntEnum):
 
 
 F32, F16, BF16, Q8_0, Q4_0, Q4_1, I32, I64 = (
-    GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0,
-    GGMLType.Q4_1, GGMLType.I32, GGMLType.I64,
+    GGMLType.F32,
+    GGMLType.F16,
+    GGMLType.BF16,
+    GGMLType.Q8_0,
+    GGMLType.Q4_0,
+    GGMLType.Q4_1,
+    GGMLType.I32,
+    GGMLType.I64,
 )

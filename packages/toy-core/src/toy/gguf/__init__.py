@@ -6,12 +6,20 @@
   copied once into a device buffer (other devices).
 """
 
+from toy.gguf.bind import BoundTensors, bind_tensors
 from toy.gguf.constants import Keys, ValueType
 from toy.gguf.reader import GGUFError, GGUFFile, TensorInfo, TypeInfo
 from toy.gguf.writer import GGUFWriter, copy_metadata
-from toy.gguf.bind import BoundTensors, bind_tensors
 
 __all__ = [
-    "BoundTensors", "GGUFError", "GGUFFile", "GGUFWriter", "Keys", "TensorInfo", "TypeInfo", "ValueType",
-    "bind_tensors", "copy_metadata",
+    "BoundTensors",
+    "GGUFError",
+    "GGUFFile",
+    "GGUFWriter",
+    "Keys",
+    "TensorInfo",
+    "TypeInfo",
+    "ValueType",
+    "bind_tensors",
+    "copy_metadata",
 ]

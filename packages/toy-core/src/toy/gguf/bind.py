@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import toy_ggml
-
 from toy.gguf.reader import GGUFFile
 
 

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import toy_ggml
 
+import toy_ggml
 from toy._native.gguf_scan import ScanError, scan_strings
 from toy.errors import ToyError
 from toy.gguf.constants import (
@@ -282,7 +282,9 @@ class GGUFFile:
                     raise cur.fail(f"tensor {tname!r} has bad dimensions {dims}")
                 n *= d
             if dims[0] % blck != 0:
-                raise cur.fail(f"tensor {tname!r}: first dimension {dims[0]} is not a multiple of the {gt.name} block size {blck}")
+                raise cur.fail(
+                    f"tensor {tname!r}: first dimension {dims[0]} is not a multiple of the {gt.name} block size {blck}"
+                )
             nbytes = n // blck * bsize
             if offset % align != 0:
                 raise cur.fail(f"tensor {tname!r}: offset {offset} is not aligned to {align}")
@@ -303,7 +305,7 @@ class GGUFFile:
             spans.append((offset, offset + nbytes, tname))
             self.tensors[tname] = TensorInfo(tname, shape, gt, offset, nbytes)
         spans.sort()
-        for (s0, e0, n0), (s1, _e1, n1) in zip(spans, spans[1:]):
+        for (_s0, e0, n0), (s1, _e1, n1) in zip(spans, spans[1:]):
             if s1 < e0:
                 raise GGUFError(f"{name}: tensors {n0!r} and {n1!r} overlap")
 

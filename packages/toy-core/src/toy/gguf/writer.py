@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import toy_ggml
 
+import toy_ggml
 from toy.gguf.constants import DEFAULT_ALIGNMENT, DTYPE_TO_VALUE_TYPE, MAGIC, SCALAR, ValueType
 from toy.gguf.reader import GGUFError, TypeInfo
 
@@ -161,7 +161,9 @@ class GGUFWriter:
 
         _, blck, tsize, _, _ = _core.type_info(int(gt))
         if shape[-1] % blck:
-            raise ValueError(f"tensor {name!r}: last extent {shape[-1]} is not a multiple of the {gt.name} block {blck}")
+            raise ValueError(
+                f"tensor {name!r}: last extent {shape[-1]} is not a multiple of the {gt.name} block {blck}"
+            )
         n = 1
         for d in shape:
             n *= d
