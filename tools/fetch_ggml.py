@@ -175,12 +175,21 @@ def run(sdist_arg: str | None, force: bool) -> None:
     DEST.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="toy-ggml-") as tmp_s:
         tmp = Path(tmp_s)
-        sdist = Path(sdist_arg) if sdist_arg else download(tmp)
+        cached = DEST.parent / "packagecache" / SDIST_NAME
+        if sdist_arg:
+            sdist = Path(sdist_arg)
+        elif cached.is_file() and sha256(cached) == SDIST_SHA256:
+            sdist = cached
+        else:
+            sdist = download(tmp)
         if not sdist.is_file():
             raise FetchError(f"no such file: {sdist}")
         got = sha256(sdist)
         if got != SDIST_SHA256:
             raise FetchError(f"sha256 mismatch for {sdist.name}: got {got}, pinned {SDIST_SHA256}")
+        if sdist != cached and not sdist_arg:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(sdist, cached)  # re-extractions after a patch change need no download
         tree = tmp / "ggml"
         tree.mkdir()
         extract(sdist, tree)

@@ -49,6 +49,14 @@ cdef int _OP_SOFT_MAX = _OP_ID["SOFT_MAX"]
 cdef int _OP_ROPE = _OP_ID["ROPE"]
 cdef int _OP_XENT = _OP_ID["CROSS_ENTROPY_LOSS"]
 cdef int _OP_OPT_ADAMW = _OP_ID["OPT_STEP_ADAMW"]
+cdef int _OP_SUB = _OP_ID["SUB"]
+cdef int _OP_DIV = _OP_ID["DIV"]
+cdef int _OP_MUL_MAT = _OP_ID["MUL_MAT"]
+# views and the in-place ops ggml's backward accepts (ggml_build_backward_expand)
+cdef set _INPLACE_OK = {_OP_ID[n] for n in ("CPY", "SET_ROWS", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE")}
+# ops whose I32 output is an index into their input's rows: (op id -> index bound = src0.ne[0])
+cdef set _INDEX_PRODUCERS = {_OP_ID[n] for n in ("ARGMAX", "TOP_K", "ARGSORT")}
+cdef set _INDEX_PASSTHROUGH = {_OP_ID[n] for n in ("VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE", "CONT", "CPY")}
 # srcs whose gradient ggml never computes (indices, positions, copy targets)
 cdef dict _IGNORED_SRC = {
     _OP_ID["CPY"]: (1,), _OP_GET_ROWS: (1,), _OP_ID["GET_ROWS_BACK"]: (1,), _OP_ROPE: (1,),
@@ -183,6 +191,11 @@ cdef class Graph:
                             f"{_node_desc(node)}; only F32/F16 tensors take gradients")
                     needs.add(<uintptr_t>node)
                     break
+            if ((<uintptr_t>node) in needs or (node.flags & GGML_TENSOR_FLAG_LOSS)) and node.view_src != NULL \
+                    and <int>node.op not in _INPLACE_OK:
+                raise UnsupportedBackwardError(
+                    f"{_node_desc(node)} writes in place into a tensor that needs a gradient; "
+                    "ggml's backward does not support in-place ops")
         if not any_param:
             raise GGMLError("build_backward: no parameter in the graph (call set_param on the weights)")
         if not any_loss:
@@ -305,14 +318,14 @@ cdef class Graph:
                     if root.buffer != NULL and (<uintptr_t>root.buffer) in _readonly_buffers:
                         raise GGMLError(f"{_node_desc(node)} would write into read-only memory "
                                         f"(tensor {root.name.decode('utf-8', 'replace')!r})")
-            # data-dependent indices of leaf inputs (ggml asserts on them mid-compute)
-            if <int>node.op == _OP_GET_ROWS and node.src[1].op == GGML_OP_NONE:
-                checks.append((<uintptr_t>node.src[1], node.src[0].ne[1], _node_desc(node)))
-            elif <int>node.op == _OP_SET_ROWS and node.src[1].op == GGML_OP_NONE:
+            # data-dependent indices (ggml asserts on them mid-compute)
+            if <int>node.op == _OP_GET_ROWS:
+                _index_check(checks, node, node.src[1], node.src[0].ne[1])
+            elif <int>node.op == _OP_SET_ROWS:
                 # ggml_set_rows stores src = (rows, indices, destination)
-                checks.append((<uintptr_t>node.src[1], node.src[2].ne[1], _node_desc(node)))
-            elif <int>node.op == _OP_MUL_MAT_ID and node.src[2].op == GGML_OP_NONE:
-                checks.append((<uintptr_t>node.src[2], node.src[0].ne[2], _node_desc(node)))
+                _index_check(checks, node, node.src[1], node.src[2].ne[1])
+            elif <int>node.op == _OP_MUL_MAT_ID:
+                _index_check(checks, node, node.src[2], node.src[0].ne[2])
         self._index_checks = checks
         self._validated_for = (runtime, self.version)
         return 0
@@ -341,6 +354,37 @@ cdef class Graph:
         return f"<Graph {ggml_graph_n_nodes(self.ptr)}/{self.size} nodes{' +backward' if self._has_backward else ''}>"
 
 
+cdef int _index_check(list checks, ggml_tensor * node, ggml_tensor * idx, int64_t bound) except -1:
+    """Plan the range check of ``idx`` (values must lie in 0..bound-1).
+    Views, copies and conts pass values through: check the leaf they come
+    from (its whole data, a superset). ARGMAX/TOP_K/ARGSORT yield indices
+    below their input's row length: check that length statically. Indices
+    computed any other way cannot be checked and are refused."""
+    cdef ggml_tensor * src = idx
+    while <int>src.op in _INDEX_PASSTHROUGH:
+        src = src.src[0]
+    if src.op == GGML_OP_NONE:
+        # a plain view/reshape of a leaf can be read directly once allocated
+        checks.append((<uintptr_t>(idx if idx.op == GGML_OP_NONE or (<int>idx.op in _VIEW_OPS and ggml_is_contiguous(idx)
+                                   and _only_views(idx)) else src), bound, _node_desc(node)))
+        return 0
+    if <int>src.op in _INDEX_PRODUCERS:
+        if src.src[0].ne[0] > bound:
+            raise GGMLError(f"{_node_desc(node)}: indices from {_node_desc(src)} range up to "
+                            f"{src.src[0].ne[0] - 1}, past the {bound} rows they index")
+        return 0
+    raise GGMLError(f"{_node_desc(node)}: its indices are computed by {_node_desc(src)}, which toy cannot "
+                    "range-check before compute; feed indices from an input tensor")
+
+
+cdef bint _only_views(ggml_tensor * t) noexcept:
+    while t.op != GGML_OP_NONE:
+        if <int>t.op not in _VIEW_OPS:
+            return False
+        t = t.src[0]
+    return True
+
+
 cdef int _check_backward_node(ggml_tensor * node, set needs) except -1:
     cdef int op = <int>node.op
     if op not in _BW_OPS:
@@ -356,4 +400,16 @@ cdef int _check_backward_node(ggml_tensor * node, set needs) except -1:
         raise UnsupportedBackwardError(f"{_node_desc(node)}: no gradient for rope frequency factors")
     if op == _OP_XENT and node.src[1] != NULL and (<uintptr_t>node.src[1]) in needs:
         raise UnsupportedBackwardError(f"{_node_desc(node)}: no gradient for cross-entropy labels")
+    cdef ggml_tensor * a = node.src[0]
+    cdef ggml_tensor * b = node.src[1]
+    if (op == _OP_SUB or op == _OP_DIV) and (<uintptr_t>b) in needs and not ggml_are_same_shape(a, b):
+        raise UnsupportedBackwardError(
+            f"{_node_desc(node)}: ggml has no gradient for a broadcast second operand of SUB/DIV")
+    if op == _OP_GET_ROWS and (<uintptr_t>a) in needs and not (a.ne[2] == 1 and a.ne[3] == 1):
+        raise UnsupportedBackwardError(
+            f"{_node_desc(node)}: ggml's GET_ROWS gradient needs a 2-D table and 1-D indices")
+    if op == _OP_MUL_MAT and (<uintptr_t>a) in needs and (a.ne[2] != b.ne[2] or a.ne[3] != b.ne[3]) \
+            and b.ne[3] != 1:
+        raise UnsupportedBackwardError(
+            f"{_node_desc(node)}: ggml's MUL_MAT gradient for a broadcast first operand needs a 3-D second operand")
     return 0

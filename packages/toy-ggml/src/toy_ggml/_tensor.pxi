@@ -145,10 +145,11 @@ cdef class _ContextBase(_Handle):
         self._buffers = []
 
     def __init__(self, int max_tensors=1024, int graph_size=0):
-        """``max_tensors``: how many tensors (op results included) the
-        context can hold. ``graph_size``: nodes per graph to reserve room for
-        (default: 2 x max_tensors, at least 2048); two graphs with gradients
-        fit."""
+        """``max_tensors``: tensors (op results included) the context holds
+        at least; ``graph_size``: nodes per graph to reserve room for
+        (default: 2 x max_tensors, at least 2048). The memory for two graphs
+        with gradients is shared with tensors, so a context with few graphs
+        holds more than max_tensors tensors. Running out raises GGMLError."""
         cdef ggml_init_params params
         if max_tensors < 1 or max_tensors > 10_000_000:
             raise ValueError(f"max_tensors={max_tensors}: must be in 1..10000000")
@@ -477,6 +478,7 @@ cdef class Tensor:
     def to_float(self):
         """A float32 copy of the data, dequantized through ggml for quantized
         and half types."""
+        self._ok()
         t = <int>self.ptr.type
         if t == <int>GGML_TYPE_F32:
             return self.numpy()
@@ -586,7 +588,14 @@ cdef class _HostMemory:
         cdef _HostMemory m = _HostMemory.__new__(_HostMemory)
         m.t = t
         m.ro = ro
+        # the exported memory pins the context: close() waits for the views
+        t.ctx._n_dependents += 1
         return m
+
+    def __dealloc__(self):
+        if self.t is not None:
+            self.t.ctx._n_dependents -= 1
+            self.t.ctx._maybe_free()
 
     def __getbuffer__(self, Py_buffer * view, int flags):
         if self.ro and (flags & PyBUF_WRITABLE):
