@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,7 +205,12 @@ class GGUFFile:
         except OSError as e:
             raise GGUFError(f"{name}: cannot open ({e.strerror})") from None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise GGUFError(f"{name}: is a directory, not a GGUF file")
+            if not stat.S_ISREG(st.st_mode):
+                raise GGUFError(f"{name}: not a regular file")
+            size = st.st_size
             if size < 24:
                 raise GGUFError(f"{name}: not a GGUF file (only {size} bytes)")
             self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)

