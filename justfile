@@ -49,7 +49,7 @@ gate: lint test docs coverage-check
 
 # Run the benchmarks (JSON lines on stdout; figures are ratios against a peer in the same run).
 bench *args: setup
-    {{py}} -m pytest -m bench -p no:cacheprovider -q -s {{args}} packages/toy-ggml/benchmarks
+    {{py}} -m pytest -m bench -p no:cacheprovider -q -s {{args}} packages/*/benchmarks
 
 # Remove build outputs (keeps .venv and the ggml source; `just clean-all` removes those too).
 clean:

@@ -31,3 +31,31 @@ def scan_strings(const unsigned char[::1] buf, Py_ssize_t pos, uint64_t count):
             raise ScanError(i, f"not valid UTF-8 ({e.reason})") from None
         pos += <Py_ssize_t>ln
     return out, pos
+
+
+def index_strings(const unsigned char[::1] buf, Py_ssize_t pos, uint64_t count):
+    """Like scan_strings, but keep no str objects: validate every string
+    (lengths in bounds, UTF-8) and return (bounds, end position) where
+    bounds[i] = (start, stop) of string i's bytes relative to ``pos``."""
+    import numpy as np
+    cdef Py_ssize_t end = buf.shape[0], start = pos
+    cdef uint64_t i, ln
+    if count > <uint64_t>((end - pos) // 8 if end > pos else 0):
+        raise ScanError(0, f"{count} strings cannot fit in {end - pos} bytes")
+    bounds = np.empty((count, 2), dtype=np.int64)
+    cdef long long[:, ::1] b = bounds
+    for i in range(count):
+        if pos + 8 > end:
+            raise ScanError(i, "truncated length")
+        memcpy(&ln, &buf[pos], 8)
+        pos += 8
+        if ln > <uint64_t>(end - pos):
+            raise ScanError(i, f"length {ln} exceeds the {end - pos} bytes left")
+        try:
+            (<const char *>&buf[pos])[:ln].decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ScanError(i, f"not valid UTF-8 ({e.reason})") from None
+        b[i, 0] = pos - start
+        b[i, 1] = pos - start + <Py_ssize_t>ln
+        pos += <Py_ssize_t>ln
+    return bounds, pos

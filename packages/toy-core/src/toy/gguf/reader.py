@@ -8,7 +8,8 @@ time and memory; it never reaches ggml with a bad offset.
 
 Invariants:
 - metadata values are Python scalars, ``str``, NumPy arrays (numeric arrays,
-  read-only views copied out of the map) or lists (string and nested arrays);
+  read-only copies), lists (string and nested arrays) or, for string arrays
+  longer than LAZY_STRINGS, a ``StringArray`` (a Sequence decoded on access);
   ``types[key]`` keeps the on-disk type so a writer can reproduce the file;
 - tensor shapes are NumPy order (GGUF stores ggml order, innermost first);
 - tensor data stays in the map: ``tensor_bytes`` returns a read-only
@@ -21,6 +22,7 @@ import mmap
 import os
 import stat
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,7 @@ from typing import Any
 import numpy as np
 
 import toy_ggml
-from toy._native.gguf_scan import ScanError, scan_strings
+from toy._native.gguf_scan import ScanError, index_strings, scan_strings
 from toy.errors import ToyError
 from toy.gguf.constants import (
     DEFAULT_ALIGNMENT,
@@ -42,6 +44,49 @@ from toy.gguf.constants import (
     VERSIONS,
     ValueType,
 )
+
+# string arrays longer than this (vocabularies, merges) are kept as one bytes
+# block plus offsets and decoded on access: ~5x less memory than str objects
+LAZY_STRINGS = 1024
+
+
+class StringArray(Sequence):
+    """A read-only sequence of str over one bytes block (validated UTF-8),
+    decoded item by item on access. Compares equal to a list of the same
+    strings."""
+
+    __slots__ = ("_raw", "_bounds")
+
+    def __init__(self, raw: bytes, bounds: np.ndarray):
+        self._raw = raw
+        self._bounds = bounds
+
+    def __len__(self) -> int:
+        return len(self._bounds)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        a, b = self._bounds[i]
+        return self._raw[a:b].decode("utf-8")
+
+    def __iter__(self):
+        raw = self._raw
+        for a, b in self._bounds.tolist():
+            yield raw[a:b].decode("utf-8")
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (StringArray, list, tuple)):
+            return len(self) == len(other) and all(x == y for x, y in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None
+
+    def tolist(self) -> list[str]:
+        return list(self)
+
+    def __repr__(self) -> str:
+        return f"StringArray({len(self)} strings)"
 
 
 class GGUFError(ToyError):
@@ -176,6 +221,10 @@ def _read_value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> tuple[Any
     sub = TypeInfo(et)
     if et == ValueType.STRING:
         try:
+            if count > LAZY_STRINGS:
+                start = cur.pos
+                bounds, cur.pos = index_strings(cur.buf, cur.pos, count)
+                return StringArray(bytes(cur.buf[start : cur.pos]), bounds), TypeInfo(vt, sub)
             items, cur.pos = scan_strings(cur.buf, cur.pos, count)
         except ScanError as e:
             i, reason = e.args
