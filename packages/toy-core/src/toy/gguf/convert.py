@@ -1,0 +1,280 @@
+"""Convert a GGUF model's weights to another ggml type (quantize, or widen).
+
+``quantize_model(src, dst, dtype)`` copies every metadata key with its
+on-disk type, sets ``general.file_type`` to llama.cpp's ``LLAMA_FTYPE`` value
+for the target, and converts tensors one at a time:
+
+- a tensor of 2+ dims whose last extent (ggml's ``ne[0]``, the row) is a
+  multiple of the target's block is dequantized to F32 through ggml and
+  quantized to the target; one that is not falls back the way llama.cpp does
+  (``Q4_K -> Q5_0``, ``Q6_K -> Q8_0`` ..., then F16 when even that does not
+  fit), and the fallbacks are reported;
+- 1-D tensors (norms, biases) stay or become F32; integer tensors are copied;
+- a tensor already of its destination type is copied byte for byte.
+
+Memory stays bounded by the largest tensor: each converted tensor goes to a
+spill file beside the destination, which is memory-mapped (file-backed pages,
+not heap) for ``GGUFWriter.write()`` and deleted afterwards. The destination
+appears atomically (the writer renames it into place).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import toy_ggml
+from toy.gguf.constants import ValueType
+from toy.gguf.reader import GGUFFile, TypeInfo
+from toy.gguf.writer import GGUFWriter
+from toy_ggml import GGMLType
+
+# enum llama_ftype, llama.cpp include/llama.h (llama-cpp-python 0.3.36); ids 4-6
+# and 33-35 were removed upstream. "GUESSED" (1024) is never written to files.
+LLAMA_FTYPES: dict[int, str] = {
+    0: "ALL_F32",
+    1: "MOSTLY_F16",
+    2: "MOSTLY_Q4_0",
+    3: "MOSTLY_Q4_1",
+    7: "MOSTLY_Q8_0",
+    8: "MOSTLY_Q5_0",
+    9: "MOSTLY_Q5_1",
+    10: "MOSTLY_Q2_K",
+    11: "MOSTLY_Q3_K_S",
+    12: "MOSTLY_Q3_K_M",
+    13: "MOSTLY_Q3_K_L",
+    14: "MOSTLY_Q4_K_S",
+    15: "MOSTLY_Q4_K_M",
+    16: "MOSTLY_Q5_K_S",
+    17: "MOSTLY_Q5_K_M",
+    18: "MOSTLY_Q6_K",
+    19: "MOSTLY_IQ2_XXS",
+    20: "MOSTLY_IQ2_XS",
+    21: "MOSTLY_Q2_K_S",
+    22: "MOSTLY_IQ3_XS",
+    23: "MOSTLY_IQ3_XXS",
+    24: "MOSTLY_IQ1_S",
+    25: "MOSTLY_IQ4_NL",
+    26: "MOSTLY_IQ3_S",
+    27: "MOSTLY_IQ3_M",
+    28: "MOSTLY_IQ2_S",
+    29: "MOSTLY_IQ2_M",
+    30: "MOSTLY_IQ4_XS",
+    31: "MOSTLY_IQ1_M",
+    32: "MOSTLY_BF16",
+    36: "MOSTLY_TQ1_0",
+    37: "MOSTLY_TQ2_0",
+    38: "MOSTLY_MXFP4_MOE",
+    39: "MOSTLY_NVFP4",
+    40: "MOSTLY_Q1_0",
+    41: "MOSTLY_Q2_0",
+}
+
+# target ggml type -> the llama_ftype a file quantized (all 2-D weights) to it carries
+TARGET_FTYPE: dict[GGMLType, int] = {
+    GGMLType.F32: 0,
+    GGMLType.F16: 1,
+    GGMLType.BF16: 32,
+    GGMLType.Q8_0: 7,
+    GGMLType.Q5_1: 9,
+    GGMLType.Q5_0: 8,
+    GGMLType.Q4_1: 3,
+    GGMLType.Q4_0: 2,
+    GGMLType.Q6_K: 18,
+    GGMLType.Q5_K: 17,
+    GGMLType.Q4_K: 15,
+    GGMLType.Q3_K: 12,
+    GGMLType.Q2_K: 10,
+    GGMLType.IQ4_NL: 25,
+}
+SUPPORTED_TARGETS: tuple[str, ...] = tuple(t.name for t in TARGET_FTYPE)
+_ALIASES = {"Q3_K_M": "Q3_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K", "FP16": "F16", "FP32": "F32"}
+
+# llama.cpp's tensor_type_fallback (src/llama-quant.cpp) for rows the block does not divide
+_FALLBACK = {
+    GGMLType.Q2_K: GGMLType.Q4_0,
+    GGMLType.Q3_K: GGMLType.Q4_0,
+    GGMLType.Q4_K: GGMLType.Q5_0,
+    GGMLType.Q5_K: GGMLType.Q5_1,
+    GGMLType.Q6_K: GGMLType.Q8_0,
+}
+_INT_TYPES = {GGMLType.I8, GGMLType.I16, GGMLType.I32, GGMLType.I64}
+QUANT_VERSION = 2  # GGML_QNT_VERSION
+
+
+def ftype_label(ftype: int) -> str | None:
+    """Short name of a general.file_type value: 3 -> "Q4_1", 0 -> "F32"."""
+    name = LLAMA_FTYPES.get(ftype)
+    if name is None:
+        return None
+    return name.split("_", 1)[1]
+
+
+def parse_target(dtype: str | int | GGMLType) -> GGMLType:
+    """The target type, or ValueError naming the supported ones."""
+    if isinstance(dtype, str):
+        dtype = _ALIASES.get(dtype.strip().upper(), dtype.strip())
+    try:
+        t = GGMLType.parse(dtype)
+    except (ValueError, TypeError):
+        t = None
+    if t is None or t not in TARGET_FTYPE or (t != GGMLType.F32 and int(t) not in toy_ggml.quantizable_types()):
+        raise ValueError(f"cannot convert a model to {dtype!r}; supported types: {', '.join(SUPPORTED_TARGETS)}")
+    return t
+
+
+def _block(t: GGMLType) -> int:
+    from toy_ggml import _core
+
+    return _core.type_info(int(t))[1]
+
+
+def tensor_target(shape: tuple[int, ...], src: GGMLType, target: GGMLType) -> GGMLType:
+    """The type a tensor of ``shape`` (NumPy order) and type ``src`` gets."""
+    if src in _INT_TYPES:
+        return src
+    if len(shape) < 2:
+        return GGMLType.F32
+    row = shape[-1]
+    if row % _block(target) == 0:
+        return target
+    fb = _FALLBACK.get(target, target)
+    if row % _block(fb) == 0:
+        return fb
+    return GGMLType.F16
+
+
+@dataclass
+class QuantizeReport:
+    src: Path
+    dst: Path
+    target: str
+    file_type: int
+    n_tensors: int = 0
+    converted: int = 0
+    copied: int = 0
+    fallbacks: dict[str, str] = field(default_factory=dict)  # tensor -> type used
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+    def to_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["src"], d["dst"] = str(self.src), str(self.dst)
+        return d
+
+
+def _convert_tensor(gf: GGUFFile, name: str, dst_type: GGMLType) -> bytes | memoryview:
+    info = gf.tensors[name]
+    raw = gf.tensor_bytes(name)
+    if info.dtype == dst_type:
+        return raw
+    x = toy_ggml.dequantize(raw, int(info.dtype), info.shape)  # float32, info.shape
+    if dst_type == GGMLType.F32:
+        return x.tobytes()
+    try:
+        return toy_ggml.quantize(x, int(dst_type)).tobytes()
+    except ValueError as e:
+        raise ValueError(f"tensor {name!r} ({info.dtype.name} {info.shape}) -> {dst_type.name}: {e}") from None
+
+
+def quantize_model(
+    src_path: str | os.PathLike,
+    dst_path: str | os.PathLike,
+    dtype: str | int | GGMLType,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> QuantizeReport:
+    """Write ``dst_path``: ``src_path`` with its weights converted to ``dtype``.
+    ``progress(done, total, tensor_name)`` is called after each tensor."""
+    target = parse_target(dtype)
+    ftype = TARGET_FTYPE[target]
+    dst = Path(dst_path)
+    src = GGUFFile(src_path)
+    spill = None
+    spill_map = None
+    views: list[memoryview] = []
+    try:
+        report = QuantizeReport(Path(src_path), dst, target.name, ftype, n_tensors=len(src.tensors))
+        writer = GGUFWriter(dst, alignment=src.alignment)
+        for key, value in src.metadata.items():
+            if key == "general.alignment":
+                continue  # the writer adds it for a non-default alignment
+            if key == "general.file_type":
+                writer.add(key, ftype, src.types[key])
+            else:
+                writer.add(key, value, src.types[key])
+        if "general.file_type" not in src.metadata:
+            writer.add("general.file_type", ftype, TypeInfo(ValueType.UINT32))
+        if (
+            target not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+            and "general.quantization_version" not in src.metadata
+        ):
+            writer.add("general.quantization_version", QUANT_VERSION, TypeInfo(ValueType.UINT32))
+
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        fd, spill = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".spill", dir=dst.parent)
+        layout: list[tuple[str, tuple[int, ...], GGMLType, int, int]] = []
+        total = len(src.tensors)
+        with os.fdopen(fd, "wb") as f:
+            for i, (name, info) in enumerate(src.tensors.items()):
+                want = tensor_target(info.shape, info.dtype, target)
+                if len(info.shape) >= 2 and want != target and info.dtype not in _INT_TYPES:
+                    report.fallbacks[name] = want.name
+                data = _convert_tensor(src, name, want)
+                if info.dtype == want:
+                    report.copied += 1
+                else:
+                    report.converted += 1
+                start = f.tell()
+                f.write(data)
+                layout.append((name, info.shape, want, start, len(memoryview(data).cast("B"))))
+                report.bytes_in += info.nbytes
+                del data
+                if progress:
+                    progress(i + 1, total, name)
+        size = os.path.getsize(spill)
+        if size:
+            with open(spill, "rb") as f:
+                spill_map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            whole = memoryview(spill_map)
+            views.append(whole)
+            for name, shape, t, start, n in layout:
+                v = whole[start : start + n]
+                views.append(v)
+                writer.add_tensor_bytes(name, shape, t, v)
+                report.bytes_out += n
+        writer.write()
+        del writer
+        return report
+    finally:
+        for v in reversed(views):
+            try:
+                v.release()
+            except BufferError:
+                pass
+        if spill_map is not None:
+            try:
+                spill_map.close()
+            except BufferError:
+                pass
+        if spill is not None:
+            try:
+                os.unlink(spill)
+            except OSError:
+                pass
+        src.close()
+
+
+__all__ = [
+    "LLAMA_FTYPES",
+    "SUPPORTED_TARGETS",
+    "TARGET_FTYPE",
+    "QuantizeReport",
+    "ftype_label",
+    "parse_target",
+    "quantize_model",
+    "tensor_target",
+]
