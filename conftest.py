@@ -14,7 +14,6 @@ missing model is a test failure, not a skip: CI must run these tests.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import math
@@ -24,7 +23,6 @@ from pathlib import Path
 
 import pytest
 
-SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SMOLLM2_SIZE = 98_362_432
 
 
@@ -54,14 +52,6 @@ def smollm2_path() -> Path:
     if p.stat().st_size != SMOLLM2_SIZE:
         pytest.fail(f"{p} is not the expected SmolLM2 file (size {p.stat().st_size})")
     return p
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------- benchmarks
