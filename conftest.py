@@ -1,4 +1,9 @@
-"""Repository-wide pytest fixtures.
+"""Repository-wide pytest fixtures and test helper modules.
+
+Test folders are not on ``sys.path`` (pytest runs with
+``--import-mode=importlib``), so shared helper modules are registered here
+once: ``import toy_test_models`` (tiny synthetic llama GGUF writer, local
+wheel lookup) and ``import gguf_bytes`` (a raw GGUF byte builder).
 
 ``record`` (benchmarks): print one figure as a JSON line on stdout with at
 least ``bench``, ``figure``, ``value`` and ``unit``, plus the context that
@@ -39,6 +44,22 @@ def find_smollm2() -> Path | None:
             if p.is_file():
                 return p
     return None
+
+
+_HELPERS = {
+    "toy_test_models": "packages/toy-core/tests/model_path.py",
+    "gguf_bytes": "packages/toy-core/tests/gguf_bytes.py",
+}
+
+
+def pytest_configure(config):
+    root = Path(__file__).resolve().parent
+    for name, rel in _HELPERS.items():
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, root / rel)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod
+            spec.loader.exec_module(mod)
 
 
 @pytest.fixture(scope="session")

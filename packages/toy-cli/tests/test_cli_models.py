@@ -8,7 +8,6 @@ real subprocess runs. Every cache and search root is a tmp folder.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,22 +17,9 @@ from pathlib import Path
 
 import gguf
 import pytest
+import toy_test_models as mp  # registered by the root conftest.py
 
 from toy_cli.main import main
-
-
-def _helper():
-    key = "_toy_test_model_path"
-    if key not in sys.modules:
-        path = Path(__file__).resolve().parents[2] / "toy-core" / "tests" / "model_path.py"
-        spec = importlib.util.spec_from_file_location(key, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[key] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[key]
-
-
-mp = _helper()
 
 
 def run(capsys, *args):

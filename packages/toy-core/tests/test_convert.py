@@ -4,13 +4,10 @@ the independent ``gguf`` package."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import gguf
 import numpy as np
 import pytest
+import toy_test_models as mp  # registered by the root conftest.py
 
 import toy_ggml
 from toy.gguf import GGUFFile, GGUFWriter
@@ -24,19 +21,6 @@ from toy.gguf.convert import (
     tensor_target,
 )
 from toy_ggml import GGMLType
-
-
-def _helper():
-    key = "_toy_test_model_path"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name("model_path.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[key] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[key]
-
-
-mp = _helper()
 
 
 def _gguf_value(field):

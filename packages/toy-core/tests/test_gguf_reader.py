@@ -3,21 +3,15 @@ failure kind raises GGUFError naming the file and the problem."""
 
 from __future__ import annotations
 
-import importlib.util
 import struct
-import sys
 from pathlib import Path
 
+import gguf_bytes as gb  # registered by the root conftest.py
 import numpy as np
 import pytest
 
 import toy_ggml as tg
 from toy.gguf import GGUFError, GGUFFile, ValueType
-
-_spec = importlib.util.spec_from_file_location("gguf_bytes", Path(__file__).with_name("gguf_bytes.py"))
-gb = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("gguf_bytes", gb)
-_spec.loader.exec_module(gb)
 
 
 def write(tmp_path, data: bytes, name="m.gguf") -> Path:

@@ -9,7 +9,6 @@ the Hugging Face tests never touch the network (hf_hub_download is replaced).
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import sys
@@ -17,23 +16,12 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import toy_test_models as mp  # registered by the root conftest.py
 
 from toy import store
 from toy.errors import ToyError
 from toy.store import FetchError, Root, UnknownModelError
 
-
-def _helper():
-    key = "_toy_test_model_path"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name("model_path.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[key] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[key]
-
-
-mp = _helper()
 ENTRY = store.REGISTRY["smollm2-135m"]
 
 
