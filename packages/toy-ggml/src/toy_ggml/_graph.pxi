@@ -88,6 +88,7 @@ cdef class Graph:
     cdef public int version            # bumped on every change (runtimes re-allocate)
     cdef object _validated_for         # Runtime the graph was last checked for
     cdef list _index_checks            # [(Tensor idx, bound, desc)] data-dependent ranges
+    cdef list _sched_owned             # addresses of tensors a Runtime's scheduler gave memory
     cdef object __weakref__
 
     def __init__(self, Context ctx, int size=2048, bint grads=False):
@@ -109,6 +110,7 @@ cdef class Graph:
         self.version = 0
         self._validated_for = None
         self._index_checks = None
+        self._sched_owned = []
 
     cdef inline int _ok(self) except -1:
         if self.ctx._closed:
@@ -352,6 +354,20 @@ cdef class Graph:
         if self.ctx._closed:
             return "<Graph (context closed)>"
         return f"<Graph {ggml_graph_n_nodes(self.ptr)}/{self.size} nodes{' +backward' if self._has_backward else ''}>"
+
+
+cdef void _forget_sched_memory(Graph g) noexcept:
+    """Drop the pointers a scheduler set in g's tensors: that memory is about
+    to be reused or freed. Reading such a tensor then raises instead of
+    touching freed memory, and the next allocation gives it memory again."""
+    cdef ggml_tensor * t
+    if g is None or g.ctx is None or g.ctx._freed:
+        return
+    for a in g._sched_owned:
+        t = <ggml_tensor *><uintptr_t>a
+        t.data = NULL
+        t.buffer = NULL
+    g._sched_owned = []
 
 
 cdef int _index_check(list checks, ggml_tensor * node, ggml_tensor * idx, int64_t bound) except -1:

@@ -2,9 +2,10 @@
 # fallback) under one ggml scheduler, with a persistent CPU thread pool.
 #
 # The device is data: Runtime(device="CUDA0") or "cpu" or "auto"; model code
-# never branches on it. Graph outputs computed by a Runtime stay valid until
-# that Runtime allocates or computes another graph (the scheduler reuses its
-# compute memory).
+# never branches on it. Tensors the scheduler gave memory (op results without
+# memory of their own) stay readable until the Runtime allocates another
+# graph; then they lose it (reading raises) and get it back when their graph is
+# computed again.
 
 import weakref
 
@@ -114,9 +115,16 @@ cdef class Runtime(_Handle):
             self._backend_addrs.append(<uintptr_t>self._cpu)
         self._make_sched(max(graph_size, 1024))
 
+    cdef void _release_current(self) noexcept:
+        # the graph allocated last loses its scheduler memory (reused next)
+        if self._current is not None:
+            _forget_sched_memory(self._current[0]())
+            self._current = None
+
     cdef int _make_sched(self, int size) except -1:
         cdef ggml_backend_t bk[2]
         cdef int n = 1
+        self._release_current()
         if self._sched != NULL:
             ggml_backend_sched_free(self._sched)
             self._sched = NULL
@@ -183,6 +191,17 @@ cdef class Runtime(_Handle):
         cdef int need = ggml_graph_n_nodes(graph.ptr) + graph._n_leafs + 16
         if need * 2 > self._sched_size:
             self._make_sched(need * 2)
+        # A graph allocated earlier keeps pointers into scheduler memory that a
+        # later allocation reused or freed; ggml would skip such tensors as
+        # "allocated" and compute into freed memory. Forget them first.
+        self._release_current()
+        _forget_sched_memory(graph)
+        cdef ggml_tensor * t
+        owned = []
+        for a in graph._seen:
+            t = <ggml_tensor *><uintptr_t>a
+            if t.data == NULL or (t.view_src != NULL and t.buffer == NULL):
+                owned.append(a)
         ggml_backend_sched_reset(self._sched)
         cdef bint ok
         self._busy = True
@@ -194,6 +213,7 @@ cdef class Runtime(_Handle):
         if not ok:
             self._current = None
             raise MemoryError("the scheduler could not allocate the graph's tensors")
+        graph._sched_owned = owned
         self._current = (weakref.ref(graph), graph.version)
         graph.ctx._add_dep(self)   # its tensors now point into our buffers
         return 0

@@ -1,0 +1,326 @@
+"""The llama family (llama, qwen2, qwen3): config from GGUF and the forward graph.
+
+One code path for the whole family. The variants are fields of ``LlamaConfig``,
+read from GGUF metadata and tensor names (through ``toy.models.card``'s
+parsing): grouped-query attention (``n_head_kv < n_head``), tied or untied
+output head, Q/K/V biases (qwen2), per-head QK RMSNorm (qwen3), a head size
+other than ``d_model / n_head``, and the RoPE pairing (``"normal"``: adjacent
+pairs, which llama GGUF files need because the converter permutes Q/K rows;
+``"neox"``: halves, for qwen2/qwen3).
+
+``forward_logits`` builds the causal forward of ONE sequence over the whole
+sequence (no KV cache): shapes are NumPy order, activations ``(T, d)``.
+Invariants:
+
+- attention is batched over heads: Q ``(H, T, D)`` against K ``(H_kv, T, D)``
+  in one ``mul_mat`` (ggml's broadcast gives query head ``h`` the key/value
+  head ``h // (H / H_kv)``, exactly GQA grouping), one ``soft_max`` with the
+  causal mask input (F32 ``(T, T)``, 0 / -inf) and scale ``1/sqrt(D)``, one
+  ``mul_mat`` with V; never one GEMM per head;
+- K and V may be rounded to a KV type (F16, as llama.cpp's default cache)
+  and padded with masked zero rows to an attention length ``n_kv >= T`` (the
+  mask's width); neither changes the math beyond that rounding;
+- weights are used as bound (quantized weights stay quantized; on the CPU
+  they are the file mapping itself);
+- ``LlamaModel`` builds the graph for a sequence length once and reuses it:
+  a later call of the same length is uploads + one compute.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import toy_ggml
+from toy.errors import ToyError
+from toy.models.card import summary_from
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+_ROPE_MODE = {"llama": "normal", "qwen2": "neox", "qwen3": "neox"}
+_LAYER_TENSORS = (
+    "attn_norm.weight",
+    "attn_q.weight",
+    "attn_k.weight",
+    "attn_v.weight",
+    "attn_output.weight",
+    "ffn_norm.weight",
+    "ffn_gate.weight",
+    "ffn_up.weight",
+    "ffn_down.weight",
+)
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    n_vocab: int
+    d_model: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    d_ff: int
+    rms_eps: float
+    rope_base: float
+    rope_dims: int
+    rope_mode: str  # "normal" (llama) or "neox" (qwen2, qwen3)
+    tied_output: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    context_length: int | None = None
+    architecture: str = "llama"
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> LlamaConfig:
+        arch = metadata.get("general.architecture")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ToyError(
+                f"architecture {arch!r} is not a llama-family model",
+                hint=f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}",
+            )
+        s = summary_from(metadata, tensors)
+        missing_keys = [
+            k
+            for k, v in (
+                ("block_count", s.n_layer),
+                ("embedding_length", s.d_model),
+                ("attention.head_count", s.n_head),
+                ("feed_forward_length", s.d_ff),
+            )
+            if v is None
+        ]
+        if missing_keys:
+            raise ToyError(f"{arch} metadata lacks {', '.join(f'{arch}.{k}' for k in missing_keys)}")
+        if s.per_layer:
+            raise ToyError(f"per-layer {', '.join(s.per_layer)} is not supported")
+        if s.rope_scaling:
+            raise ToyError(f"rope scaling {s.rope_scaling!r} is not supported yet")
+        if s.qkv_fused:
+            raise ToyError("a fused attn_qkv tensor is not supported (expected attn_q/attn_k/attn_v)")
+        if s.head_dim_v not in (None, s.head_dim):
+            raise ToyError(f"value head size {s.head_dim_v} != key head size {s.head_dim} is not supported")
+        need = ["token_embd.weight", "output_norm.weight"]
+        for i in range(s.n_layer):
+            need += [f"blk.{i}.{n}" for n in _LAYER_TENSORS]
+            if s.qkv_bias:
+                need += [f"blk.{i}.attn_{x}.bias" for x in "qkv"]
+            if s.qk_norm:
+                need += [f"blk.{i}.attn_q_norm.weight", f"blk.{i}.attn_k_norm.weight"]
+        missing = [n for n in need if n not in tensors]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ToyError(f"the {arch} model lacks tensor {missing[0]!r}{more}")
+        if s.n_head % s.n_head_kv:
+            raise ToyError(f"head_count {s.n_head} is not a multiple of head_count_kv {s.n_head_kv}")
+        vocab = s.vocab if s.vocab is not None else int(tensors["token_embd.weight"].shape[0])
+        return cls(
+            n_vocab=vocab,
+            d_model=s.d_model,
+            n_layer=s.n_layer,
+            n_head=s.n_head,
+            n_head_kv=s.n_head_kv,
+            head_dim=s.head_dim,
+            d_ff=s.d_ff,
+            rms_eps=s.norm_eps if s.norm_eps is not None else 1e-5,
+            rope_base=s.rope_base,
+            rope_dims=s.rope_dims,
+            rope_mode=_ROPE_MODE[arch],
+            tied_output=bool(s.tied_output),
+            qkv_bias=s.qkv_bias,
+            qk_norm=s.qk_norm,
+            context_length=s.context_length,
+            architecture=arch,
+        )
+
+    @classmethod
+    def from_gguf(cls, gf) -> LlamaConfig:
+        """The config of an open ``GGUFFile`` (ToyError if it is not a
+        supported llama-family model or lacks a tensor)."""
+        return cls.from_metadata(gf.metadata, gf.tensors)
+
+
+def causal_mask(n_tokens: int, n_kv: int | None = None) -> np.ndarray:
+    """F32 (T, n_kv) (n_kv >= T, default T): 0 where key position <= query
+    position, -inf after (the padding columns past T included)."""
+    n_kv = n_tokens if n_kv is None else n_kv
+    if n_kv < n_tokens:
+        raise ValueError(f"causal_mask: n_kv={n_kv} < n_tokens={n_tokens}")
+    m = np.zeros((n_tokens, n_kv), np.float32)
+    m[np.triu_indices(n_tokens, 1, n_kv)] = -np.inf
+    return m
+
+
+def padded_length(n_tokens: int, pad: int) -> int:
+    """n_tokens rounded up to a multiple of pad (>= 1)."""
+    return -(-n_tokens // pad) * pad
+
+
+def forward_logits(ctx, cfg: LlamaConfig, weights, tokens, pos, mask, n_tokens: int, kv_type=None):
+    """Logits (T, n_vocab) F32 of one sequence: ``tokens`` I32 (T,), ``pos``
+    I32 (T,) positions, ``mask`` F32 (T, n_kv) causal mask (``causal_mask``).
+    With n_kv > T the keys and values get n_kv - T zero rows, masked out: the
+    attention then has llama.cpp's padded KV length (a multiple of 32 without
+    flash attention), so its F16 matmuls take the same kernels and sums.
+    ``weights`` maps GGUF tensor names to ggml tensors (``bind_tensors``).
+    ``kv_type`` (e.g. F16) rounds K and V to that type before attention, as
+    a llama.cpp KV cache of that type does; None keeps them F32."""
+    T, H, Hkv, D = n_tokens, cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    n_kv = mask.shape[-1]
+    if mask.shape != (T, n_kv) or n_kv < T:
+        raise ValueError(f"forward_logits: mask {mask.shape} must be ({T}, n_kv >= {T})")
+    eps = cfg.rms_eps
+
+    def w(name: str):
+        return weights[name]
+
+    def norm(x, gamma):
+        return ctx.mul(ctx.rms_norm(x, eps), gamma)
+
+    def proj(x, p: str, which: str, heads: int):
+        y = ctx.mul_mat(w(f"{p}.attn_{which}.weight"), x)
+        if cfg.qkv_bias:
+            y = ctx.add(y, w(f"{p}.attn_{which}.bias"))
+        y = ctx.reshape(y, (T, heads, D))
+        if cfg.qk_norm and which in "qk":
+            y = norm(y, w(f"{p}.attn_{which}_norm.weight"))
+        if which in "qk":
+            y = ctx.rope(y, pos, cfg.rope_dims, mode=cfg.rope_mode, freq_base=cfg.rope_base)
+        return y
+
+    x = ctx.get_rows(w("token_embd.weight"), tokens)  # (T, d)
+    scale = 1.0 / math.sqrt(D)
+    for i in range(cfg.n_layer):
+        p = f"blk.{i}"
+        h = norm(x, w(f"{p}.attn_norm.weight"))
+        q = ctx.permute(proj(h, p, "q", H), (1, 0, 2))  # (H, T, D)
+        k = ctx.permute(proj(h, p, "k", Hkv), (1, 0, 2))  # (Hkv, T, D)
+        v = ctx.cont(ctx.permute(proj(h, p, "v", Hkv), (1, 2, 0)))  # (Hkv, D, T)
+        if n_kv > T:  # zero keys/values past T (masked): (Hkv, n_kv, D), (Hkv, D, n_kv)
+            k = ctx.pad(ctx.cont(k), ((0, 0), (0, n_kv - T), (0, 0)))
+            v = ctx.pad(v, ((0, 0), (0, 0), (0, n_kv - T)))
+        if kv_type is not None:
+            k, v = ctx.cast(k, kv_type), ctx.cast(v, kv_type)
+        kq = ctx.soft_max(ctx.mul_mat(k, q), mask, scale)  # (H, T, n_kv)
+        a = ctx.mul_mat(v, kq)  # (H, Tq, D)
+        a = ctx.reshape(ctx.cont(ctx.permute(a, (1, 0, 2))), (T, H * D))
+        x = ctx.add(x, ctx.mul_mat(w(f"{p}.attn_output.weight"), a))
+        h = norm(x, w(f"{p}.ffn_norm.weight"))
+        g = ctx.swiglu(ctx.mul_mat(w(f"{p}.ffn_gate.weight"), h), ctx.mul_mat(w(f"{p}.ffn_up.weight"), h))
+        x = ctx.add(x, ctx.mul_mat(w(f"{p}.ffn_down.weight"), g))
+    x = norm(x, w("output_norm.weight"))
+    head = w("token_embd.weight" if cfg.tied_output else "output.weight")
+    return ctx.mul_mat(head, x)  # (T, V)
+
+
+@dataclass
+class _Step:
+    """The graph for one sequence length: inputs in their own allocated
+    context, ops in another (memory from the runtime's scheduler)."""
+
+    inputs: toy_ggml.Context
+    ops: toy_ggml.Context
+    graph: toy_ggml.Graph
+    tokens: toy_ggml.Tensor
+    out: toy_ggml.Tensor
+
+
+class LlamaModel:
+    """A llama-family GGUF model bound zero-copy on a Runtime; ``logits(ids)``
+    runs the full causal forward with a graph built once per sequence length.
+
+    ``kv_type``: the type K and V are rounded to before attention; F16 (the
+    default) is what llama.cpp's default KV cache does, None keeps them F32.
+    ``kv_pad``: the attention length is T rounded up to a multiple of it
+    (zero, masked keys/values); 32 (the default) is llama.cpp's KV padding
+    without flash attention. With both defaults our logits agree with
+    llama.cpp's to float32 rounding; kv_pad=1 is the plain forward.
+
+    Graph lifetime: the Runtime's scheduler gives a graph's intermediate
+    tensors memory in its compute buffer, and a graph allocated before another
+    keeps pointers into a buffer the later one may have replaced (toy_ggml
+    does not clear them), so computing it again would read freed memory. The
+    cache therefore keeps the graph of the length used last: repeated calls
+    of one length reuse it; a call of another length replaces it.
+    """
+
+    def __init__(
+        self, cfg: LlamaConfig, gf, weights, runtime: toy_ggml.Runtime, kv_type=toy_ggml.GGMLType.F16, kv_pad: int = 32
+    ):
+        if kv_pad < 1:
+            raise ValueError(f"kv_pad={kv_pad} must be >= 1")
+        self.cfg, self.gguf, self.weights, self.runtime = cfg, gf, weights, runtime
+        self.kv_type, self.kv_pad = kv_type, kv_pad
+        self._steps: dict[int, _Step] = {}
+        self.n_builds = 0
+
+    @classmethod
+    def load(
+        cls, path: str | Path, runtime: toy_ggml.Runtime, kv_type=toy_ggml.GGMLType.F16, kv_pad: int = 32
+    ) -> LlamaModel:
+        from toy.gguf import GGUFFile, bind_tensors
+
+        gf = GGUFFile(path)
+        try:
+            cfg = LlamaConfig.from_gguf(gf)
+            weights = bind_tensors(gf, runtime)
+        except BaseException:
+            gf.close()
+            raise
+        return cls(cfg, gf, weights, runtime, kv_type=kv_type, kv_pad=kv_pad)
+
+    def _build(self, n: int) -> _Step:
+        cin = toy_ggml.Context(max_tensors=8)
+        tokens = cin.tensor(toy_ggml.GGMLType.I32, (n,), name="tokens")
+        pos = cin.tensor(toy_ggml.GGMLType.I32, (n,), name="pos")
+        n_kv = padded_length(n, self.kv_pad)
+        mask = cin.tensor(toy_ggml.GGMLType.F32, (n, n_kv), name="mask")
+        cin.allocate(self.runtime)
+        pos.set(np.arange(n, dtype=np.int32))
+        mask.set(causal_mask(n, n_kv))
+        size = 64 * self.cfg.n_layer + 256
+        ops = toy_ggml.Context(max_tensors=size)
+        out = forward_logits(ops, self.cfg, self.weights, tokens, pos, mask, n, kv_type=self.kv_type)
+        out.set_output()
+        graph = toy_ggml.Graph(ops, size=max(2048, size)).build_forward(out)
+        self.n_builds += 1
+        return _Step(cin, ops, graph, tokens, out)
+
+    def _drop_steps(self) -> None:
+        for s in self._steps.values():
+            s.ops.close()
+            s.inputs.close()
+        self._steps.clear()
+
+    def logits(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Logits (T, n_vocab) float32 for token ids (T,)."""
+        ids = np.asarray(ids, dtype=np.int32).reshape(-1)
+        n = len(ids)
+        if n == 0:
+            raise ValueError("logits: no tokens")
+        if self.cfg.context_length and n > self.cfg.context_length:
+            raise ValueError(f"logits: {n} tokens exceed the context length {self.cfg.context_length}")
+        step = self._steps.get(n)
+        if step is None:
+            self._drop_steps()  # see the class docstring: only the last graph stays valid
+            step = self._steps[n] = self._build(n)
+        step.tokens.set(ids)
+        self.runtime.compute(step.graph)
+        return step.out.numpy().copy()
+
+    def close(self) -> None:
+        self._drop_steps()
+        self.weights.close()
+        self.gguf.close()
+
+    def __enter__(self) -> LlamaModel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "LlamaConfig", "LlamaModel", "causal_mask", "forward_logits", "padded_length"]

@@ -1,0 +1,1 @@
+"""Small NumPy reference implementations, used only by tests (independent of ggml)."""
