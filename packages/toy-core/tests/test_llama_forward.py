@@ -150,8 +150,15 @@ def test_graph_is_built_once_per_length(tmp_path, rt):
         assert not np.array_equal(a, b)
         model.logits([1, 2, 3, 4, 5])
         assert model.n_builds == 2
-        # back to a length seen before, after a larger graph took the scheduler's memory
+        # back to a length seen before, after a larger graph took the scheduler's memory:
+        # the cached graph is reused (no build) and recomputes the same logits
         np.testing.assert_array_equal(model.logits([1, 2, 3, 4]), a)
+        assert model.n_builds == 2
+        model.max_graphs = 2
+        model.logits([1, 2, 3, 4, 5, 6])  # a third length evicts the oldest (length 4)
+        assert model.n_builds == 3
+        np.testing.assert_array_equal(model.logits([1, 2, 3, 4]), a)
+        assert model.n_builds == 4
 
 
 def test_f16_kv_stays_close(tmp_path, rt):

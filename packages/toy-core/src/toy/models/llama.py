@@ -239,12 +239,10 @@ class LlamaModel:
     without flash attention. With both defaults our logits agree with
     llama.cpp's to float32 rounding; kv_pad=1 is the plain forward.
 
-    Graph lifetime: the Runtime's scheduler gives a graph's intermediate
-    tensors memory in its compute buffer, and a graph allocated before another
-    keeps pointers into a buffer the later one may have replaced (toy_ggml
-    does not clear them), so computing it again would read freed memory. The
-    cache therefore keeps the graph of the length used last: repeated calls
-    of one length reuse it; a call of another length replaces it.
+    Graphs are cached per sequence length (the ``max_graphs`` most recent
+    lengths): a repeated length is token uploads plus one compute. Switching
+    between cached graphs is safe: the Runtime re-allocates a graph whose
+    scheduler memory went to another one.
     """
 
     def __init__(
@@ -254,7 +252,8 @@ class LlamaModel:
             raise ValueError(f"kv_pad={kv_pad} must be >= 1")
         self.cfg, self.gguf, self.weights, self.runtime = cfg, gf, weights, runtime
         self.kv_type, self.kv_pad = kv_type, kv_pad
-        self._steps: dict[int, _Step] = {}
+        self._steps: dict[int, _Step] = {}  # insertion order = least recently built first
+        self.max_graphs = 8
         self.n_builds = 0
 
     @classmethod
@@ -305,11 +304,14 @@ class LlamaModel:
             raise ValueError(f"logits: {n} tokens exceed the context length {self.cfg.context_length}")
         step = self._steps.get(n)
         if step is None:
-            self._drop_steps()  # see the class docstring: only the last graph stays valid
+            if len(self._steps) >= self.max_graphs:
+                oldest = self._steps.pop(next(iter(self._steps)))
+                oldest.ops.close()
+                oldest.inputs.close()
             step = self._steps[n] = self._build(n)
         step.tokens.set(ids)
         self.runtime.compute(step.graph)
-        return step.out.numpy().copy()
+        return step.out.numpy()
 
     def close(self) -> None:
         self._drop_steps()
