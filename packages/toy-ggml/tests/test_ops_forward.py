@@ -1044,3 +1044,28 @@ def test_set_rows_index_out_of_range_is_refused_before_compute(rt, rng):
     for bad in ([0, 3], [-1, 0]):
         with pytest.raises(IndexError, match="out of range 0..2"):
             eval_graph(rt, lambda ctx, x, y, i: ctx.set_rows(x, y, i), a, b, np.array(bad, dtype=np.int32))
+
+
+# the weight types tinyBLAS (F32 .. Q4_0) or the tiled K-quant path (Q4_K, Q6_K) take on the CPU
+ROW_TYPES = [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K]
+
+
+@pytest.mark.parametrize("qt", ROW_TYPES, ids=[t.name for t in ROW_TYPES])
+def test_mul_mat_row_invariant(rt, rng, qt):
+    """Patch 0004: with row_invariant=True a row of b multiplied inside a batch
+    gives bit-identical results to the same row multiplied alone. Without the
+    flag an F32 batch goes through tinyBLAS and its rows differ from the
+    one-row products in the last bits, which is what the patch exists for."""
+    w = randn(rng, 64, 512)
+    b = randn(rng, 32, 512)
+    inputs = ((qt, w) if qt not in (Q.F32, Q.F16) else w.astype(np.float16 if qt == Q.F16 else F32), b, b[3:4])
+
+    def build(flag):
+        return lambda ctx, x, y, y1: (ctx.mul_mat(x, y, row_invariant=flag), ctx.mul_mat(x, y1, row_invariant=flag))
+
+    batch, alone = eval_graph(rt, build(True), *inputs)
+    np.testing.assert_array_equal(batch[3:4], alone)
+    batch_default, alone_default = eval_graph(rt, build(False), *inputs)
+    np.testing.assert_array_equal(alone_default, alone)  # one row: vec_dot either way
+    if qt == Q.F32:
+        assert not np.array_equal(batch_default[3:4], alone_default)

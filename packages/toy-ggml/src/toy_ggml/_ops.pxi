@@ -230,11 +230,15 @@ cdef class Context(_ContextBase):
 
     # ---------------------------------------------------------------- matmul
 
-    def mul_mat(self, Tensor a, Tensor b):
+    def mul_mat(self, Tensor a, Tensor b, bint row_invariant=False):
         """b @ a.T over the last two axes: a (..., M, K) weights (any type
         with a dot product, quantized included), b (..., N, K) F32 -> (..., N, M)
         F32. a's leading extents must divide b's; b's batch j uses a's batch
-        j // (b_extent // a_extent) (repeat-interleave, not NumPy tiling)."""
+        j // (b_extent // a_extent) (repeat-interleave, not NumPy tiling).
+        ``row_invariant``: every output row is summed exactly as it would be
+        with N = 1 (the CPU's vec_dot kernels for any N, patch 0004), so a
+        row does not change with the rows batched beside it; slower for
+        large N, where the default lets the CPU use tinyBLAS."""
         self._in2(a, b)
         _f32(b, "mul_mat", "b")
         if not _type_valid(<int>a.ptr.type) or a.ptr.type in (GGML_TYPE_I32, GGML_TYPE_I64) or <int>a.ptr.type in (24, 25):
@@ -245,7 +249,10 @@ cdef class Context(_ContextBase):
             raise ValueError(f"mul_mat: a {_shp(a)} does not broadcast over b {_shp(b)}")
         if ggml_is_transposed(a.ptr):
             raise ValueError("mul_mat: a must not be transposed (use cont())")
-        return self._r(ggml_mul_mat(self.ptr, a.ptr, b.ptr), _max(2, _max(a._ndim, b._ndim)))
+        cdef ggml_tensor * r = ggml_mul_mat(self.ptr, a.ptr, b.ptr)
+        if row_invariant:
+            r.op_params[1] = 2  # GGML_HINT_ROW_INVARIANT (patch 0004)
+        return self._r(r, _max(2, _max(a._ndim, b._ndim)))
 
     def mul_mat_id(self, Tensor experts, Tensor b, Tensor ids):
         """Mixture-of-experts matmul. experts (E, M, K); b (T, U, K) with U the
