@@ -73,6 +73,31 @@ class LlamaConfig:
     qk_norm: bool = False
     context_length: int | None = None
     architecture: str = "llama"
+    # RoPE scaling: None, "linear" (positions / factor), "yarn" (YaRN ramp
+    # between interpolated and extrapolated frequencies plus a magnitude
+    # factor) or "llama3" (per-frequency divisors in the rope_freqs.weight
+    # tensor). freq_scale = 1 / factor. attn_factor multiplies cos/sin.
+    rope_scaling: str | None = None
+    rope_freq_scale: float = 1.0
+    rope_orig_ctx: int = 0
+    yarn_ext_factor: float = 0.0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    rope_attn_factor: float = 1.0
+
+    def rope_args(self) -> dict[str, Any]:
+        """Keyword arguments of ``toy_ggml.Context.rope`` for this model
+        (the rope_freqs tensor, when there is one, is passed separately)."""
+        return dict(
+            mode=self.rope_mode,
+            freq_base=self.rope_base,
+            freq_scale=self.rope_freq_scale,
+            n_ctx_orig=self.rope_orig_ctx,
+            ext_factor=self.yarn_ext_factor,
+            attn_factor=self.rope_attn_factor,
+            beta_fast=self.yarn_beta_fast,
+            beta_slow=self.yarn_beta_slow,
+        )
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> LlamaConfig:
@@ -97,8 +122,7 @@ class LlamaConfig:
             raise ToyError(f"{arch} metadata lacks {', '.join(f'{arch}.{k}' for k in missing_keys)}")
         if s.per_layer:
             raise ToyError(f"per-layer {', '.join(s.per_layer)} is not supported")
-        if s.rope_scaling:
-            raise ToyError(f"rope scaling {s.rope_scaling!r} is not supported yet")
+        rope = _rope_scaling(arch, metadata, s, "rope_freqs.weight" in tensors)
         if s.qkv_fused:
             raise ToyError("a fused attn_qkv tensor is not supported (expected attn_q/attn_k/attn_v)")
         if s.head_dim_v not in (None, s.head_dim):
@@ -134,6 +158,7 @@ class LlamaConfig:
             qk_norm=s.qk_norm,
             context_length=s.context_length,
             architecture=arch,
+            **rope,
         )
 
     @classmethod
@@ -141,6 +166,46 @@ class LlamaConfig:
         """The config of an open ``GGUFFile`` (ToyError if it is not a
         supported llama-family model or lacks a tensor)."""
         return cls.from_metadata(gf.metadata, gf.tensors)
+
+
+def _rope_scaling(arch: str, metadata: Mapping[str, Any], s, has_freqs: bool) -> dict[str, Any]:
+    """The RoPE scaling fields of LlamaConfig from GGUF metadata, resolved the
+    way llama.cpp resolves them: a scaling factor f gives freq_scale = 1/f;
+    YaRN defaults to ext_factor 1, beta_fast 32, beta_slow 1 and the training
+    context as the original context; the magnitude factor handed to ggml is
+    the file's ``rope.scaling.attn_factor`` (ggml itself multiplies by
+    1 + 0.1 ln f under YaRN)."""
+
+    def num(key: str, default: float) -> float:
+        v = metadata.get(f"{arch}.rope.scaling.{key}")
+        return float(v) if v is not None else default
+
+    kind = s.rope_scaling if s.rope_scaling not in (None, "none") else None
+    out: dict[str, Any] = {"rope_attn_factor": num("attn_factor", 1.0)}
+    if kind not in (None, "linear", "yarn"):
+        raise ToyError(
+            f"rope scaling {kind!r} is not supported",
+            hint="supported: none, linear, yarn, and llama3 frequency factors (rope_freqs.weight)",
+        )
+    if kind is not None:
+        factor = s.rope_scaling_factor or 1.0
+        if not factor > 0:
+            raise ToyError(f"{arch}.rope.scaling.factor={factor} must be > 0")
+        out.update(rope_scaling=kind, rope_freq_scale=1.0 / factor)
+    if kind == "yarn":
+        if num("yarn_log_multiplier", 0.0) != 0.0:
+            raise ToyError("YaRN with rope.scaling.yarn_log_multiplier is not supported")
+        out.update(
+            yarn_ext_factor=num("yarn_ext_factor", 1.0),
+            yarn_beta_fast=num("yarn_beta_fast", 32.0),
+            yarn_beta_slow=num("yarn_beta_slow", 1.0),
+        )
+    out["rope_orig_ctx"] = int(s.rope_orig_context or s.context_length or 0)
+    if has_freqs:
+        if kind is not None:
+            raise ToyError(f"rope_freqs.weight together with {kind} rope scaling is not supported")
+        out["rope_scaling"] = "llama3"
+    return out
 
 
 def causal_mask(n_tokens: int, n_kv: int | None = None) -> np.ndarray:
@@ -159,61 +224,94 @@ def padded_length(n_tokens: int, pad: int) -> int:
     return -(-n_tokens // pad) * pad
 
 
-def forward_logits(ctx, cfg: LlamaConfig, weights, tokens, pos, mask, n_tokens: int, kv_type=None):
-    """Logits (T, n_vocab) F32 of one sequence: ``tokens`` I32 (T,), ``pos``
-    I32 (T,) positions, ``mask`` F32 (T, n_kv) causal mask (``causal_mask``).
-    With n_kv > T the keys and values get n_kv - T zero rows, masked out: the
-    attention then has llama.cpp's padded KV length (a multiple of 32 without
-    flash attention), so its F16 matmuls take the same kernels and sums.
-    ``weights`` maps GGUF tensor names to ggml tensors (``bind_tensors``).
-    ``kv_type`` (e.g. F16) rounds K and V to that type before attention, as
-    a llama.cpp KV cache of that type does; None keeps them F32."""
-    T, H, Hkv, D = n_tokens, cfg.n_head, cfg.n_head_kv, cfg.head_dim
-    n_kv = mask.shape[-1]
-    if mask.shape != (T, n_kv) or n_kv < T:
-        raise ValueError(f"forward_logits: mask {mask.shape} must be ({T}, n_kv >= {T})")
-    eps = cfg.rms_eps
+def forward(ctx, cfg: LlamaConfig, weights, tokens, pos, attend, out_rows=None, row_invariant: bool = False):
+    """The llama-family forward of T tokens with a pluggable attention.
 
-    def w(name: str):
-        return weights[name]
+    ``tokens``/``pos`` I32 (T,); ``attend(layer, q, k, v)`` gets Q (T, H, D)
+    and K, V (T, H_kv, D) (Q and K already roped) and returns the attention
+    output (T, H * D) before the output projection: the full-sequence causal
+    attention below, or the KV-cache attention of ``toy.engine.llm``.
+    ``out_rows`` (I32 (N,), optional) keeps only those rows after the last
+    attention block, so the last FFN and the head run on N rows.
+    ``row_invariant`` makes every weight product sum a row exactly as a
+    one-row product would (``Context.mul_mat``), so a token's result does
+    not depend on the tokens batched with it. Returns logits (N or T, V).
+    """
+    T, H, Hkv, D, eps = tokens.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps
+    rope_args = cfg.rope_args()
+    freqs = weights["rope_freqs.weight"] if cfg.rope_scaling == "llama3" else None
+
+    def mm(w, x):
+        return ctx.mul_mat(w, x, row_invariant=row_invariant)
 
     def norm(x, gamma):
         return ctx.mul(ctx.rms_norm(x, eps), gamma)
 
     def proj(x, p: str, which: str, heads: int):
-        y = ctx.mul_mat(w(f"{p}.attn_{which}.weight"), x)
+        y = mm(weights[f"{p}.attn_{which}.weight"], x)
         if cfg.qkv_bias:
-            y = ctx.add(y, w(f"{p}.attn_{which}.bias"))
+            y = ctx.add(y, weights[f"{p}.attn_{which}.bias"])
         y = ctx.reshape(y, (T, heads, D))
         if cfg.qk_norm and which in "qk":
-            y = norm(y, w(f"{p}.attn_{which}_norm.weight"))
+            y = norm(y, weights[f"{p}.attn_{which}_norm.weight"])
         if which in "qk":
-            y = ctx.rope(y, pos, cfg.rope_dims, mode=cfg.rope_mode, freq_base=cfg.rope_base)
+            y = ctx.rope(y, pos, cfg.rope_dims, freq_factors=freqs, **rope_args)
         return y
 
-    x = ctx.get_rows(w("token_embd.weight"), tokens)  # (T, d)
-    scale = 1.0 / math.sqrt(D)
+    x = ctx.get_rows(weights["token_embd.weight"], tokens)  # (T, d)
     for i in range(cfg.n_layer):
         p = f"blk.{i}"
-        h = norm(x, w(f"{p}.attn_norm.weight"))
-        q = ctx.permute(proj(h, p, "q", H), (1, 0, 2))  # (H, T, D)
-        k = ctx.permute(proj(h, p, "k", Hkv), (1, 0, 2))  # (Hkv, T, D)
-        v = ctx.cont(ctx.permute(proj(h, p, "v", Hkv), (1, 2, 0)))  # (Hkv, D, T)
+        h = norm(x, weights[f"{p}.attn_norm.weight"])
+        a = attend(i, proj(h, p, "q", H), proj(h, p, "k", Hkv), proj(h, p, "v", Hkv))  # (T, H*D)
+        x = ctx.add(x, mm(weights[f"{p}.attn_output.weight"], a))
+        if out_rows is not None and i == cfg.n_layer - 1:
+            x = ctx.get_rows(x, out_rows)  # (N, d): the rows whose logits are wanted
+        h = norm(x, weights[f"{p}.ffn_norm.weight"])
+        g = ctx.swiglu(mm(weights[f"{p}.ffn_gate.weight"], h), mm(weights[f"{p}.ffn_up.weight"], h))
+        x = ctx.add(x, mm(weights[f"{p}.ffn_down.weight"], g))
+    x = norm(x, weights["output_norm.weight"])
+    return mm(weights["token_embd.weight" if cfg.tied_output else "output.weight"], x)  # (N, V)
+
+
+def attention(ctx, q, k, v, mask, scale: float, row_invariant: bool = False):
+    """Causal attention batched over heads: q (H, Tq, D), k (H_kv, n_kv, D),
+    v (H_kv, D, n_kv) (V transposed, as the KV cache stores it), mask F32
+    (Tq, n_kv) 0 / -inf -> (Tq, H * D). Query head h reads key/value head
+    h // (H / H_kv) (ggml's broadcast in mul_mat: GQA grouping)."""
+    kq = ctx.soft_max(ctx.mul_mat(k, q, row_invariant=row_invariant), mask, scale)  # (H, Tq, n_kv)
+    a = ctx.mul_mat(v, kq, row_invariant=row_invariant)  # (H, Tq, D)
+    H, T, D = a.shape
+    return ctx.reshape(ctx.cont(ctx.permute(a, (1, 0, 2))), (T, H * D))
+
+
+def forward_logits(ctx, cfg: LlamaConfig, weights, tokens, pos, mask, n_tokens: int, kv_type=None):
+    """Logits (T, n_vocab) F32 of one sequence without a KV cache: ``tokens``
+    I32 (T,), ``pos`` I32 (T,) positions, ``mask`` F32 (T, n_kv) causal mask
+    (``causal_mask``). With n_kv > T the keys and values get n_kv - T zero
+    rows, masked out: the attention then has llama.cpp's padded KV length (a
+    multiple of 32 without flash attention), so its F16 matmuls take the same
+    kernels and sums. ``weights`` maps GGUF tensor names to ggml tensors
+    (``bind_tensors``). ``kv_type`` (e.g. F16) rounds K and V to that type
+    before attention, as a llama.cpp KV cache of that type does; None keeps
+    them F32. This is the graph training differentiates (no in-place cache)."""
+    T = n_tokens
+    n_kv = mask.shape[-1]
+    if mask.shape != (T, n_kv) or n_kv < T:
+        raise ValueError(f"forward_logits: mask {mask.shape} must be ({T}, n_kv >= {T})")
+    scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def attend(_layer, q, k, v):
+        q = ctx.permute(q, (1, 0, 2))  # (H, T, D)
+        k = ctx.permute(k, (1, 0, 2))  # (Hkv, T, D)
+        v = ctx.cont(ctx.permute(v, (1, 2, 0)))  # (Hkv, D, T)
         if n_kv > T:  # zero keys/values past T (masked): (Hkv, n_kv, D), (Hkv, D, n_kv)
             k = ctx.pad(ctx.cont(k), ((0, 0), (0, n_kv - T), (0, 0)))
             v = ctx.pad(v, ((0, 0), (0, 0), (0, n_kv - T)))
         if kv_type is not None:
             k, v = ctx.cast(k, kv_type), ctx.cast(v, kv_type)
-        kq = ctx.soft_max(ctx.mul_mat(k, q), mask, scale)  # (H, T, n_kv)
-        a = ctx.mul_mat(v, kq)  # (H, Tq, D)
-        a = ctx.reshape(ctx.cont(ctx.permute(a, (1, 0, 2))), (T, H * D))
-        x = ctx.add(x, ctx.mul_mat(w(f"{p}.attn_output.weight"), a))
-        h = norm(x, w(f"{p}.ffn_norm.weight"))
-        g = ctx.swiglu(ctx.mul_mat(w(f"{p}.ffn_gate.weight"), h), ctx.mul_mat(w(f"{p}.ffn_up.weight"), h))
-        x = ctx.add(x, ctx.mul_mat(w(f"{p}.ffn_down.weight"), g))
-    x = norm(x, w("output_norm.weight"))
-    head = w("token_embd.weight" if cfg.tied_output else "output.weight")
-    return ctx.mul_mat(head, x)  # (T, V)
+        return attention(ctx, q, k, v, mask, scale)
+
+    return forward(ctx, cfg, weights, tokens, pos, attend)
 
 
 @dataclass
@@ -325,4 +423,13 @@ class LlamaModel:
         self.close()
 
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "LlamaConfig", "LlamaModel", "causal_mask", "forward_logits", "padded_length"]
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "LlamaConfig",
+    "LlamaModel",
+    "attention",
+    "causal_mask",
+    "forward",
+    "forward_logits",
+    "padded_length",
+]

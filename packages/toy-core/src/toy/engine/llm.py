@@ -1,0 +1,320 @@
+"""The llama-family inference engine: batched prefill and multi-sequence
+decode over a KV cache, with graphs built once per shape.
+
+Two kinds of step, both "uploads + one compute" once their graph exists:
+
+- ``prefill(slot, ids)``: the tokens of ONE sequence appended to its cache
+  slot, in micro-batches of at most ``n_batch`` tokens (one graph each):
+  Q (H, n, D) against the slot's first ``n_kv`` cached keys, a causal mask
+  (n, n_kv), K/V written into the cache by ``set_rows`` inside the graph.
+  Matrix products may use the CPU's batched kernels (as llama.cpp's prompt
+  processing does).
+- ``decode(slots, tokens)``: one new token for each of S sequences in one
+  graph: the weight products run on (S, d) activations with
+  ``row_invariant`` products (each row summed exactly as a one-row product,
+  toy-ggml patch 0004), and each sequence attends to its own slot with its
+  own mask (1, n_kv_s). A sequence therefore gets bit-for-bit the logits it
+  gets when decoded alone, whatever else is in the batch.
+
+Shapes (NumPy order): activations (n, d_model); Q (n, H, D), K and V
+(n, H_kv, D) before the cache; the attention length ``n_kv`` is the cached
+length rounded up to ``kv_pad`` (32 like llama.cpp without flash attention,
+256 with it) and capped at ``n_ctx``; padding cells are masked (-inf).
+
+Graphs are cached by their shape key (LRU, ``max_graphs``): a decode step
+whose sequences keep their slots and padded lengths reuses the previous
+graph. Exceeding a slot's context raises ``ContextOverflowError`` before any
+compute. Not thread-safe: one engine serves one thread (the server runs one
+engine worker).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import toy_ggml
+from toy.engine.kv import KVCache
+from toy.errors import ToyError
+from toy.models.llama import LlamaConfig, attention, forward, padded_length
+
+F16, F32, I32, I64 = toy_ggml.GGMLType.F16, toy_ggml.GGMLType.F32, toy_ggml.GGMLType.I32, toy_ggml.GGMLType.I64
+
+
+class ContextOverflowError(ToyError):
+    """A sequence would grow past its slot's context length."""
+
+
+@dataclass
+class _Graph:
+    inputs: toy_ggml.Context
+    ops: toy_ggml.Context
+    graph: toy_ggml.Graph
+    feeds: dict[str, toy_ggml.Tensor]
+    out: toy_ggml.Tensor
+    uses: int = 0
+
+    def close(self) -> None:
+        self.ops.close()
+        self.inputs.close()
+
+
+@dataclass
+class EngineStats:
+    graph_builds: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    computes: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    """Prefill and decode for a llama-family model over a slotted KV cache.
+
+    ``weights`` maps GGUF tensor names to bound ggml tensors on ``runtime``.
+    ``n_ctx``: tokens per slot; ``n_slot``: sequences held at once;
+    ``n_batch``: the prefill micro-batch; ``kv_type``: f16 (default), f32,
+    or q8_0 (needs ``flash_attn``).
+    """
+
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        weights,
+        runtime: toy_ggml.Runtime,
+        n_ctx: int,
+        n_slot: int = 1,
+        n_batch: int = 512,
+        kv_type="f16",
+        flash_attn: bool = False,
+        kv_pad: int | None = None,
+        max_graphs: int = 16,
+    ):
+        if n_batch < 1:
+            raise ToyError(f"n_batch={n_batch} must be >= 1")
+        self.cfg, self.weights, self.runtime = cfg, weights, runtime
+        self.flash_attn = bool(flash_attn)
+        self.cache = KVCache(cfg, runtime, n_ctx, n_slot, kv_type, v_trans=not self.flash_attn)
+        self.n_ctx, self.n_slot, self.n_batch = n_ctx, n_slot, n_batch
+        self.kv_pad = kv_pad or (256 if self.flash_attn else 32)
+        self.max_graphs = max_graphs
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------------ shapes
+
+    def _n_kv(self, length: int) -> int:
+        return min(self.n_ctx, padded_length(length, self.kv_pad))
+
+    def _views(self, ctx, layer: int, kc, vc, slot: int, n_kv: int):
+        """K (H_kv, n_kv, D) and V ((H_kv, D, n_kv) transposed, or
+        (H_kv, n_kv, D) for flash attention) of ``slot`` as views of the
+        cache (after this graph's writes: ``kc``/``vc`` are the set_rows)."""
+        cache, Hkv, D = self.cache, self.cfg.n_head_kv, self.cfg.head_dim
+        k = cache.k[layer]
+        row = k.strides[1]  # bytes of one cached position (H_kv * D values)
+        head = row // Hkv
+        kv = ctx.view(kc, (Hkv, n_kv, D), strides=(head, row, k.strides[2]), offset=slot * k.strides[0])
+        v = cache.v[layer]
+        if cache.v_trans:  # (n_slot, W, n_ctx): channel c of head h is row h * D + c
+            es = v.strides[2]
+            vv = ctx.view(vc, (Hkv, D, n_kv), strides=(D * v.strides[1], v.strides[1], es), offset=slot * v.strides[0])
+        else:
+            vv = ctx.view(vc, (Hkv, n_kv, D), strides=(head, row, v.strides[2]), offset=slot * v.strides[0])
+        return kv, vv
+
+    def _write(self, ctx, layer: int, k, v, feeds, n: int):
+        """set_rows of this step's K and V (n, H_kv, D) into the cache."""
+        cache, W = self.cache, self.cache.width
+        kflat = ctx.reshape(cache.k[layer], (self.n_slot * self.n_ctx, W))
+        kc = ctx.set_rows(kflat, ctx.reshape(k, (n, W)), feeds["k_idx"])
+        if cache.v_trans:  # one value per row: row (slot, c, pos) of the flattened cache
+            vflat = ctx.reshape(cache.v[layer], (self.n_slot * W * self.n_ctx, 1))
+            vt = ctx.reshape(ctx.cont(ctx.transpose(ctx.reshape(v, (n, W)))), (W * n, 1))
+            vc = ctx.set_rows(vflat, vt, feeds["v_idx"])
+        else:
+            vflat = ctx.reshape(cache.v[layer], (self.n_slot * self.n_ctx, W))
+            vc = ctx.set_rows(vflat, ctx.reshape(v, (n, W)), feeds["k_idx"])
+        return kc, vc
+
+    def _attend(self, ctx, q, k, v, mask, row_invariant: bool):
+        """q (H, Tq, D); k, v views from ``_views``; mask (Tq, n_kv)."""
+        if self.flash_attn:
+            o = ctx.flash_attn_ext(q, k, v, mask, self.scale)  # (1, Tq, H, D)
+            T = q.shape[1]
+            return ctx.reshape(o, (T, self.cfg.n_head * self.cfg.head_dim))
+        return attention(ctx, q, k, v, mask, self.scale, row_invariant=row_invariant)
+
+    # ------------------------------------------------------------------ graphs
+
+    def _new_graph(self, n: int, masks: list[tuple[int, int]], n_out: int):
+        """Input tensors for a step of n tokens: tokens, pos, k_idx, v_idx,
+        one mask per (rows, n_kv) in ``masks`` and out_idx when n_out < n."""
+        cin = toy_ggml.Context(max_tensors=8 + len(masks))
+        mtype = F16 if self.flash_attn else F32
+        feeds = {
+            "tokens": cin.tensor(I32, (n,), name="tokens"),
+            "pos": cin.tensor(I32, (n,), name="pos"),
+            "k_idx": cin.tensor(I64, (n,), name="k_idx"),
+        }
+        if self.cache.v_trans:
+            feeds["v_idx"] = cin.tensor(I64, (n * self.cache.width,), name="v_idx")
+        for j, shape in enumerate(masks):
+            feeds[f"mask{j}"] = cin.tensor(mtype, shape, name=f"mask{j}")
+        if n_out < n:
+            feeds["out_idx"] = cin.tensor(I32, (n_out,), name="out_idx")
+        cin.allocate(self.runtime)
+        size = (48 + 24 * len(masks)) * self.cfg.n_layer + 256
+        return cin, feeds, toy_ggml.Context(max_tensors=size), size
+
+    def _finish(self, key, cin, feeds, ops, size, out) -> _Graph:
+        out.set_output()
+        graph = toy_ggml.Graph(ops, size=max(2048, 2 * size)).build_forward(out)
+        g = _Graph(cin, ops, graph, feeds, out)
+        if len(self._graphs) >= self.max_graphs:
+            self._graphs.popitem(last=False)[1].close()
+        self._graphs[key] = g
+        self.stats.graph_builds += 1
+        return g
+
+    def _prefill_graph(self, slot: int, n: int, n_kv: int, n_out: int) -> _Graph:
+        key = ("prefill", slot, n, n_kv, n_out)
+        g = self._graphs.get(key)
+        if g is not None:
+            self._graphs.move_to_end(key)
+            return g
+        cin, feeds, ops, size = self._new_graph(n, [(n, n_kv)], n_out)
+
+        def attend(layer, q, k, v):
+            kc, vc = self._write(ops, layer, k, v, feeds, n)
+            kv, vv = self._views(ops, layer, kc, vc, slot, n_kv)
+            return self._attend(ops, ops.permute(q, (1, 0, 2)), kv, vv, feeds["mask0"], False)
+
+        out = forward(ops, self.cfg, self.weights, feeds["tokens"], feeds["pos"], attend, feeds.get("out_idx"))
+        return self._finish(key, cin, feeds, ops, size, out)
+
+    def _decode_graph(self, slots: tuple[int, ...], n_kvs: tuple[int, ...]) -> _Graph:
+        key = ("decode", slots, n_kvs)
+        g = self._graphs.get(key)
+        if g is not None:
+            self._graphs.move_to_end(key)
+            return g
+        S = len(slots)
+        cin, feeds, ops, size = self._new_graph(S, [(1, n) for n in n_kvs], S)
+        H, D = self.cfg.n_head, self.cfg.head_dim
+
+        def attend(layer, q, k, v):
+            kc, vc = self._write(ops, layer, k, v, feeds, S)
+            outs = []
+            for j, (slot, n_kv) in enumerate(zip(slots, n_kvs)):
+                kv, vv = self._views(ops, layer, kc, vc, slot, n_kv)
+                qj = ops.view(q, (H, 1, D), strides=(D * 4, H * D * 4, 4), offset=j * H * D * 4)  # (H, 1, D)
+                outs.append(self._attend(ops, qj, kv, vv, feeds[f"mask{j}"], True))
+            a = outs[0]
+            for o in outs[1:]:
+                a = ops.concat(a, o, 0)
+            return a
+
+        out = forward(ops, self.cfg, self.weights, feeds["tokens"], feeds["pos"], attend, row_invariant=True)
+        return self._finish(key, cin, feeds, ops, size, out)
+
+    # ------------------------------------------------------------------ feeds
+
+    def _mask(self, q_pos: np.ndarray, n_kv: int) -> np.ndarray:
+        """(len(q_pos), n_kv): 0 where cell <= the query's position, -inf after."""
+        m = np.where(np.arange(n_kv)[None, :] <= q_pos[:, None], 0.0, -np.inf).astype(np.float32)
+        return m.astype(np.float16) if self.flash_attn else m
+
+    def _v_idx(self, slots: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Flattened V-cache rows for values laid out (W, n): entry c * n + j
+        is channel c of token j, stored at (slot_j, c, pos_j)."""
+        W, C = self.cache.width, self.n_ctx
+        c = np.arange(W, dtype=np.int64)[:, None]
+        return (slots[None, :].astype(np.int64) * W * C + c * C + pos[None, :]).reshape(-1)
+
+    def _run(self, g: _Graph, tokens, pos, slots, masks, out_idx=None) -> np.ndarray:
+        f = g.feeds
+        f["tokens"].set(np.asarray(tokens, np.int32))
+        f["pos"].set(pos.astype(np.int32))
+        f["k_idx"].set(slots.astype(np.int64) * self.n_ctx + pos)
+        if "v_idx" in f:
+            f["v_idx"].set(self._v_idx(slots, pos))
+        for j, m in enumerate(masks):
+            f[f"mask{j}"].set(m)
+        if out_idx is not None:
+            f["out_idx"].set(out_idx)
+        self.runtime.compute(g.graph)
+        g.uses += 1
+        self.stats.computes += 1
+        return g.out.numpy()
+
+    # ------------------------------------------------------------------ API
+
+    def _room(self, slot: int, n: int) -> int:
+        start = self.cache.length(slot)
+        if start + n > self.n_ctx:
+            raise ContextOverflowError(
+                f"{start + n} tokens exceed the context of {self.n_ctx} tokens"
+                + (f" ({start} already in the sequence)" if start else ""),
+                hint="shorten the prompt or max_tokens, or load the model with a larger n_ctx",
+            )
+        return start
+
+    def prefill(self, slot: int, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        """Append ``ids`` to ``slot``'s sequence; return the logits of the
+        last token (V,) or, with ``all_logits``, of every token (n, V)."""
+        ids = np.asarray(ids, dtype=np.int32).reshape(-1)
+        if len(ids) == 0:
+            raise ToyError("prefill: no tokens")
+        if ids.min() < 0 or ids.max() >= self.cfg.n_vocab:
+            raise ToyError(f"token id {int(ids.max() if ids.max() >= 0 else ids.min())} is outside the vocabulary")
+        start = self._room(slot, len(ids))
+        rows = []
+        for a in range(0, len(ids), self.n_batch):
+            chunk = ids[a : a + self.n_batch]
+            n = len(chunk)
+            pos = np.arange(start + a, start + a + n, dtype=np.int64)
+            n_kv = self._n_kv(start + a + n)
+            n_out = n if all_logits else 1
+            g = self._prefill_graph(slot, n, n_kv, n_out)
+            out_idx = None if n_out == n else np.array([n - 1], np.int32)
+            logits = self._run(g, chunk, pos, np.full(n, slot), [self._mask(pos, n_kv)], out_idx)
+            self.cache.append(slot, chunk)
+            if all_logits or a + n == len(ids):
+                rows.append(logits)
+        self.stats.prefill_tokens += len(ids)
+        return np.concatenate(rows) if all_logits else rows[-1][-1]
+
+    def decode(self, slots: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        """One token for each sequence (distinct slots): logits (S, V)."""
+        slots_t = tuple(int(s) for s in slots)
+        if len(set(slots_t)) != len(slots_t) or not slots_t:
+            raise ToyError(f"decode: slots {slots_t} must be distinct and non-empty")
+        if len(tokens) != len(slots_t):
+            raise ToyError(f"decode: {len(tokens)} tokens for {len(slots_t)} slots")
+        tok = np.asarray(tokens, np.int32)
+        if tok.min() < 0 or tok.max() >= self.cfg.n_vocab:
+            raise ToyError("decode: a token id is outside the vocabulary")
+        pos = np.array([self._room(s, 1) for s in slots_t], np.int64)
+        n_kvs = tuple(self._n_kv(int(p) + 1) for p in pos)
+        g = self._decode_graph(slots_t, n_kvs)
+        masks = [self._mask(pos[j : j + 1], n) for j, n in enumerate(n_kvs)]
+        logits = self._run(g, tok, pos, np.array(slots_t), masks)
+        for s, t in zip(slots_t, tok):
+            self.cache.append(s, [t])
+        self.stats.decode_tokens += len(slots_t)
+        return logits
+
+    def close(self) -> None:
+        for g in self._graphs.values():
+            g.close()
+        self._graphs.clear()
+        self.cache.close()
+
+
+__all__ = ["ContextOverflowError", "EngineStats", "LLMEngine"]
