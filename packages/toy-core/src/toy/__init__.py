@@ -8,4 +8,14 @@ from toy.errors import ToyError
 
 __version__ = "0.1.0"
 
-__all__ = ["ToyError", "__version__"]
+__all__ = ["ToyError", "__version__", "load"]
+
+
+def __getattr__(name: str):
+    # ``toy.load`` imports the engine (and ggml) on first use, so `import toy`
+    # stays cheap for code that only reads GGUF files or tokenizes.
+    if name == "load":
+        from toy.engine.generate import load
+
+        return load
+    raise AttributeError(f"module 'toy' has no attribute {name!r}")

@@ -1,0 +1,374 @@
+"""A loaded model: ``toy.load(...)`` -> ``Model`` with generate, stream,
+tokenize, detokenize and logits.
+
+Decisions (written down because nobody else will):
+
+- A prompt is a str (tokenized with the file's add-BOS flag, control tokens
+  such as ``<|im_start|>`` parsed), a list of token ids (used as is), or a
+  list of ``{"role", "content"}`` messages (rendered with the model's chat
+  template, then tokenized the same way, a doubled BOS dropped).
+- ``generate``/``stream`` run on cache slot 0 and, by default, prefill the
+  whole prompt: the result then depends only on (prompt, params) and equals
+  llama.cpp's greedy output token for token. ``cache_prompt=True`` keeps the
+  longest common prefix of what slot 0 already holds (``Chat`` uses it, so a
+  chat turn prefills only the new turn); reused positions were computed by
+  other kernels (decode vs prefill), so logits can differ in the last bits.
+- The budget is explicit: prompt + max_tokens must fit in ``n_ctx`` or
+  ``ContextOverflowError`` is raised before any compute.
+- Generation ends at a stop token (the model's end-of-generation ids unless
+  ``ignore_eos``, plus ``stop_tokens``; the token is not part of the text),
+  a stop string (cut from the text; later text dropped) or ``max_tokens``.
+  ``finish_reason`` is "stop" or "length".
+- Text is streamed UTF-8 safe: a chunk never ends inside a multi-byte
+  character, and text that could be the start of a stop string is held back
+  until it is known not to be.
+- Timings: ``prefill_s`` (prompt tokens actually computed), ``decode_s``
+  (every later forward), ``ttft_s`` (call to first token), tok/s of each.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import toy_ggml
+from toy.engine.llm import LLMEngine
+from toy.engine.sampling import Sampler, SamplingParams, TokenLogprob
+from toy.engine.stop import StopMatcher
+from toy.errors import ToyError
+
+DEFAULT_MAX_CTX = 4096
+
+
+@dataclass
+class Generation:
+    """What ``generate`` returns (and ``Stream.result`` after a stream)."""
+
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    finish_reason: str  # "stop" | "length"
+    stop: str | int | None = None  # the stop string or stop token that ended it
+    logprobs: list[TokenLogprob] | None = None
+    seed: int | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {
+            "text": self.text,
+            "tokens": self.tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": len(self.tokens),
+            "finish_reason": self.finish_reason,
+            "stop": self.stop,
+            "seed": self.seed,
+            "timings": self.timings,
+        }
+        if self.logprobs is not None:
+            d["logprobs"] = [
+                {"token": lp.token, "logprob": lp.logprob, "top": [list(t) for t in lp.top]} for lp in self.logprobs
+            ]
+        return d
+
+
+class Stream:
+    """Iterate for text chunks; ``result`` is the Generation once done.
+    ``close()`` (or leaving a ``with`` block) stops early: the result then
+    has finish_reason "stop" and ``stop`` = "cancelled"."""
+
+    def __init__(self, gen: Iterator[str]):
+        self._gen = gen
+        self.result: Generation | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._gen.close()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Model:
+    """A llama-family GGUF model ready to generate (see ``toy.load``)."""
+
+    def __init__(self, path: Path, llama, runtime: toy_ggml.Runtime, engine: LLMEngine, tokenizer, template):
+        self.path, self._llama, self.runtime, self.engine = path, llama, runtime, engine
+        self.cfg = llama.cfg
+        self.tokenizer = tokenizer
+        self.chat_template = template
+        self.n_ctx = engine.n_ctx
+
+    # -- text <-> ids
+
+    def tokenize(self, text: str, add_special: bool | None = None, special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special, special=special)
+
+    def detokenize(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        return self.tokenizer.decode(ids, skip_special=skip_special)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+
+    def prompt_ids(self, prompt) -> list[int]:
+        """Token ids for a str, a list of ids or a list of chat messages."""
+        if isinstance(prompt, str):
+            ids = self.tokenize(prompt)
+        elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
+            ids = self.tokenize(self.render_chat(prompt))
+            bos = self.tokenizer.bos_id
+            if bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
+                ids = ids[1:]  # the template wrote BOS and the tokenizer added one
+        elif isinstance(prompt, (Sequence, np.ndarray)) and not isinstance(prompt, (str, bytes)):
+            ids = [int(i) for i in prompt]
+            bad = [i for i in ids if not 0 <= i < self.cfg.n_vocab]
+            if bad:
+                raise ToyError(f"token id {bad[0]} is outside the vocabulary (0..{self.cfg.n_vocab - 1})")
+        else:
+            raise ToyError(f"a prompt is a str, a list of token ids or a list of messages, not {type(prompt).__name__}")
+        if not ids:
+            raise ToyError("the prompt is empty (no tokens)")
+        return ids
+
+    # -- forward
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Logits (T, n_vocab) float32 of every position of ``ids`` (a fresh
+        prefill of slot 0: what generation would compute for that prompt)."""
+        ids = self.prompt_ids(list(ids))
+        self.engine.cache.clear(0)
+        self.engine._room(0, len(ids))
+        try:
+            return self.engine.prefill(0, ids, all_logits=True)
+        finally:
+            self.engine.cache.clear(0)
+
+    # -- generation
+
+    def _params(self, sampling: SamplingParams | None, kw: dict) -> SamplingParams:
+        base = sampling if sampling is not None else SamplingParams()
+        return base.replace(**kw) if kw else base.validate()
+
+    def generate(self, prompt, sampling: SamplingParams | None = None, *, cache_prompt: bool = False, **kw):
+        """Generate a continuation: returns a ``Generation``. Sampling options
+        come as a ``SamplingParams`` and/or keyword arguments (which win)."""
+        stream = self.stream(prompt, sampling, cache_prompt=cache_prompt, **kw)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream(self, prompt, sampling: SamplingParams | None = None, *, cache_prompt: bool = False, **kw) -> Stream:
+        """Like ``generate`` but returns a ``Stream`` of text chunks. The prompt
+        is checked (tokens, budget) before this returns."""
+        params = self._params(sampling, kw)
+        ids = self.prompt_ids(prompt)
+        need = len(ids) + params.max_tokens
+        if need > self.n_ctx:
+            from toy.engine.llm import ContextOverflowError
+
+            raise ContextOverflowError(
+                f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceed the context "
+                f"of {self.n_ctx} tokens",
+                hint="shorten the prompt, lower max_tokens, or load with a larger n_ctx",
+            )
+        stream = Stream(iter(()))
+        stream._gen = self._run(ids, params, cache_prompt, stream)
+        return stream
+
+    def _run(self, ids: list[int], params: SamplingParams, cache_prompt: bool, stream: Stream) -> Iterator[str]:
+        eng, slot = self.engine, 0
+        t0 = time.perf_counter()
+        sampler = Sampler(params, self.cfg.n_vocab)
+        stops = params.stop_token_ids(self.tokenizer.eog_ids)
+        matcher = StopMatcher(params.stop)
+        decoder = self.tokenizer.incremental_decoder()
+        keep = eng.cache.common_prefix(slot, ids) if cache_prompt else 0
+        keep = min(keep, len(ids) - 1)  # the last prompt token is always computed: its logits pick the first token
+        eng.cache.truncate(slot, keep)
+        history = list(ids)
+        out: list[int] = []
+        text: list[str] = []
+        logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        finish, stop_by = "length", None
+        timings = {"prompt_tokens": len(ids), "prompt_cached": keep}
+        t_decode, n_steps = 0.0, 0
+        try:
+            logits = eng.prefill(slot, ids[keep:])
+            t1 = time.perf_counter()
+            timings["prefill_s"] = t1 - t0
+            while len(out) < params.max_tokens:
+                tok = sampler.sample(logits, history)
+                if not out:
+                    timings["ttft_s"] = time.perf_counter() - t0
+                if tok in stops:
+                    finish, stop_by = "stop", tok
+                    break
+                if logprobs is not None:
+                    logprobs.append(sampler.token_logprobs(logits, tok))
+                out.append(tok)
+                history.append(tok)
+                piece, hit = matcher.push(decoder.feed(tok))
+                if piece:
+                    text.append(piece)
+                    yield piece
+                if hit:
+                    finish, stop_by = "stop", matcher.matched
+                    break
+                if len(out) >= params.max_tokens:
+                    break
+                td = time.perf_counter()
+                logits = eng.decode([slot], [tok])[0]
+                t_decode += time.perf_counter() - td
+                n_steps += 1
+            if not isinstance(stop_by, str):  # not ended by a stop string: release what was held back
+                tail, hit = matcher.push(decoder.flush())
+                if hit:
+                    finish, stop_by = "stop", matcher.matched
+                else:
+                    tail += matcher.flush()
+                if tail:
+                    text.append(tail)
+                    yield tail
+        except GeneratorExit:
+            finish, stop_by = "stop", "cancelled"
+        finally:
+            prefilled = len(ids) - keep
+            timings.update(
+                prefill_tokens=prefilled,
+                decode_tokens=n_steps,
+                decode_s=t_decode,
+                total_s=time.perf_counter() - t0,
+            )
+            if timings.get("prefill_s"):
+                timings["prefill_tok_s"] = prefilled / timings["prefill_s"]
+            if t_decode > 0:
+                timings["decode_tok_s"] = timings["decode_tokens"] / t_decode
+            stream.result = Generation(
+                text="".join(text),
+                tokens=out,
+                prompt_tokens=len(ids),
+                finish_reason=finish,
+                stop=stop_by,
+                logprobs=logprobs,
+                seed=sampler.seed,
+                timings=timings,
+            )
+
+    def chat(self, system: str | None = None, **defaults) -> Chat:
+        """A multi-turn chat that keeps the KV cache between turns."""
+        return Chat(self, system, defaults)
+
+    # -- lifetime
+
+    def close(self) -> None:
+        self.engine.close()
+        self._llama.close()
+        self.runtime.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Model({self.path.name}, {self.cfg.architecture}, n_ctx={self.n_ctx}, device={self.runtime.device!r})"
+
+
+class Chat:
+    """Messages so far plus the model's KV cache of their rendering: a turn
+    prefills only what is new (``cache_prompt``). ``reset()`` forgets both."""
+
+    def __init__(self, model: Model, system: str | None, defaults: dict):
+        self.model, self.system, self.defaults = model, system, defaults
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": self.system}] if self.system else []
+        self.model.engine.cache.clear(0)
+
+    def send(self, text: str, **kw) -> Stream:
+        """Stream the assistant's reply to ``text``; the reply joins the
+        history when the stream ends (also when it is cancelled early)."""
+        self.messages.append({"role": "user", "content": text})
+        try:
+            inner = self.model.stream(self.messages, cache_prompt=True, **{**self.defaults, **kw})
+        except BaseException:
+            self.messages.pop()
+            raise
+        outer = Stream(iter(()))
+
+        def run() -> Iterator[str]:
+            try:
+                yield from inner
+            finally:
+                inner.close()
+                outer.result = inner.result
+                reply = inner.result.text if inner.result is not None else ""
+                self.messages.append({"role": "assistant", "content": reply})
+
+        outer._gen = run()
+        return outer
+
+
+def load(
+    model: str | Path = "smollm2-135m",
+    *,
+    device: str | None = None,
+    n_ctx: int | None = None,
+    threads: int | None = None,
+    n_batch: int = 512,
+    n_slot: int = 1,
+    kv_type: str = "f16",
+    flash_attn: bool = False,
+) -> Model:
+    """Open a llama-family GGUF model for generation.
+
+    ``model``: a path or a name ``toy list`` shows (default: the bundled
+    SmolLM2-135M-Instruct, once ``toy fetch`` has downloaded it).
+    ``device``: flag > TOY_DEVICE > auto. ``n_ctx``: tokens per sequence
+    (default: the model's context, at most 4096). ``threads``: default the
+    physical cores (TOY_THREADS overrides). ``n_slot``: sequences decoded at
+    once. ``kv_type``: f16, f32 or q8_0 (with ``flash_attn``)."""
+    from toy.gguf import GGUFFile, bind_tensors
+    from toy.models.llama import LlamaConfig, LlamaModel
+    from toy.store import resolve_model
+    from toy.tokenizer import ChatTemplate, Tokenizer
+
+    path = resolve_model(model)
+    if threads is not None and threads < 1:
+        raise ToyError(f"threads={threads} must be >= 1")
+    runtime = toy_ggml.Runtime(toy_ggml.resolve_device(device), threads=threads or toy_ggml.default_threads())
+    gf = None
+    try:
+        gf = GGUFFile(path)
+        cfg = LlamaConfig.from_gguf(gf)
+        tokenizer = Tokenizer.from_gguf(gf.metadata)
+        template = ChatTemplate.from_gguf(gf.metadata)
+        limit = cfg.context_length or DEFAULT_MAX_CTX
+        ctx = min(limit, DEFAULT_MAX_CTX) if n_ctx is None else n_ctx
+        if not 1 <= ctx <= limit:
+            raise ToyError(f"n_ctx={ctx} must be between 1 and the model's context length {limit}")
+        llama = LlamaModel(cfg, gf, bind_tensors(gf, runtime), runtime)
+        engine = LLMEngine(cfg, llama.weights, runtime, ctx, n_slot, n_batch, kv_type, flash_attn)
+    except BaseException:
+        if gf is not None:
+            gf.close()
+        runtime.close()
+        raise
+    return Model(Path(path), llama, runtime, engine, tokenizer, template)
+
+
+__all__ = ["Chat", "Generation", "Model", "Stream", "load"]
