@@ -21,6 +21,7 @@ from importlib.metadata import entry_points
 import typer
 
 from toy_cli import __version__
+from toy_cli.commands import infer as infer_commands
 from toy_cli.commands import models as model_commands
 
 app = typer.Typer(
@@ -97,6 +98,7 @@ def devices(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -
 
 
 model_commands.register(app)  # list, describe, fetch, quantize
+infer_commands.register(app)  # infer, chat
 
 
 def _missing(name: str, dist: str):

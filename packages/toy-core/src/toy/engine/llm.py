@@ -46,7 +46,10 @@ F16, F32, I32, I64 = toy_ggml.GGMLType.F16, toy_ggml.GGMLType.F32, toy_ggml.GGML
 
 
 class ContextOverflowError(ToyError):
-    """A sequence would grow past its slot's context length."""
+    """A sequence would grow past its slot's context length (bad input: the
+    CLI exits 2)."""
+
+    exit_code = 2
 
 
 @dataclass

@@ -54,6 +54,14 @@ import numpy as np
 
 from toy.errors import ToyError
 
+
+class SamplingError(ToyError):
+    """A sampling option out of range, or logits/history that cannot be
+    sampled (bad input: the CLI exits 2, the server answers 400)."""
+
+    exit_code = 2
+
+
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 _SEED_LIMIT = 2**63
@@ -111,24 +119,24 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lambda v: 0 <= v <= MAX_LOGPROBS, f"None or in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
-            raise ToyError(f"stop={self.stop!r} must be a string or a list of strings")
+            raise SamplingError(f"stop={self.stop!r} must be a string or a list of strings")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ToyError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+            raise SamplingError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
         if any(s == "" for s in self.stop):
-            raise ToyError(f"stop={self.stop!r} contains an empty string", hint="an empty stop would end at once")
+            raise SamplingError(f"stop={self.stop!r} contains an empty string", hint="an empty stop would end at once")
         if not isinstance(self.stop_tokens, tuple) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_tokens
         ):
-            raise ToyError(f"stop_tokens={self.stop_tokens!r} must be a list of token ids >= 0")
+            raise SamplingError(f"stop_tokens={self.stop_tokens!r} must be a list of token ids >= 0")
         if not isinstance(self.ignore_eos, bool):
-            raise ToyError(f"ignore_eos={self.ignore_eos!r} must be true or false")
+            raise SamplingError(f"ignore_eos={self.ignore_eos!r} must be true or false")
         return self
 
     @classmethod
     def greedy(cls, **kw) -> SamplingParams:
         """Deterministic decoding: temperature 0 and the filters off; other fields from ``kw``."""
         if "temperature" in kw:
-            raise ToyError(f"greedy() sets temperature=0; got temperature={kw['temperature']!r}")
+            raise SamplingError(f"greedy() sets temperature=0; got temperature={kw['temperature']!r}")
         _check_fields(kw)
         base = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
         return cls(**{**base, **kw}).validate()
@@ -160,31 +168,31 @@ def _check_fields(kw: dict) -> None:
     known = {f.name for f in dataclasses.fields(SamplingParams)}
     unknown = sorted(set(kw) - known)
     if unknown:
-        raise ToyError(f"unknown sampling parameter {unknown[0]!r}", hint=f"known: {', '.join(sorted(known))}")
+        raise SamplingError(f"unknown sampling parameter {unknown[0]!r}", hint=f"known: {', '.join(sorted(known))}")
 
 
 def _check_real(name: str, value: object, ok, rule: str) -> None:
     # `ok` states the allowed range positively, so NaN (every comparison false) fails it.
     if isinstance(value, bool) or not isinstance(value, Real):
-        raise ToyError(f"{name}={value!r} must be a number")
+        raise SamplingError(f"{name}={value!r} must be a number")
     if not math.isfinite(value):
-        raise ToyError(f"{name}={value!r} must be finite and {rule}")
+        raise SamplingError(f"{name}={value!r} must be finite and {rule}")
     if not ok(value):
-        raise ToyError(f"{name}={value!r} must be {rule}")
+        raise SamplingError(f"{name}={value!r} must be {rule}")
 
 
 def _check_int(name: str, value: object, ok, rule: str) -> None:
     if isinstance(value, bool) or not isinstance(value, Integral):
-        raise ToyError(f"{name}={value!r} must be an integer")
+        raise SamplingError(f"{name}={value!r} must be an integer")
     if not ok(value):
-        raise ToyError(f"{name}={value!r} must be {rule}")
+        raise SamplingError(f"{name}={value!r} must be {rule}")
 
 
 def _as_logits(logits) -> np.ndarray:
     """A float copy of ``logits`` (float dtypes kept, anything else float32), checked to be 1-D and non-empty."""
     a = np.asarray(logits)
     if a.ndim != 1 or a.size == 0:
-        raise ToyError(f"logits shape {a.shape} must be 1-D and non-empty")
+        raise SamplingError(f"logits shape {a.shape} must be 1-D and non-empty")
     return a.astype(a.dtype if a.dtype.kind == "f" else np.float32, copy=True)
 
 
@@ -224,7 +232,7 @@ def apply_penalties(
     lo, hi = int(window.min()), int(window.max())
     if lo < 0 or hi >= x.size:
         bad = lo if lo < 0 else hi
-        raise ToyError(
+        raise SamplingError(
             f"history token id {bad} is outside the vocabulary [0, {x.size})",
             hint="tokenizer and model vocabularies differ?",
         )
@@ -301,10 +309,12 @@ def log_softmax(logits) -> np.ndarray:
     """Stable float64 log-probabilities; ``-inf`` entries get ``-inf``. Raises unless the max logit is finite."""
     x = np.asarray(logits, dtype=np.float64)
     if x.ndim != 1 or x.size == 0:
-        raise ToyError(f"logits shape {x.shape} must be 1-D and non-empty")
+        raise SamplingError(f"logits shape {x.shape} must be 1-D and non-empty")
     top = x.max()  # NaN anywhere makes this NaN, +inf makes it +inf: one check covers both
     if not np.isfinite(top):
-        raise ToyError(f"logits max={top} must be finite", hint="the model produced NaN/inf, or every token is masked")
+        raise SamplingError(
+            f"logits max={top} must be finite", hint="the model produced NaN/inf, or every token is masked"
+        )
     shifted = x - top
     return shifted - np.log(np.sum(np.exp(shifted)))
 
@@ -317,7 +327,7 @@ def _top_of(logprobs: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
 def top_logprobs(logits, n: int) -> tuple[np.ndarray, np.ndarray]:
     """The ``n`` most likely ids (descending, ties by lower id; at most V) and their log_softmax values."""
     if n < 0:
-        raise ToyError(f"n={n} must be >= 0")
+        raise SamplingError(f"n={n} must be >= 0")
     return _top_of(log_softmax(logits), n)
 
 
@@ -328,11 +338,11 @@ class Sampler:
     def __init__(self, params: SamplingParams, n_vocab: int):
         self.params = params.validate()
         if isinstance(n_vocab, bool) or not isinstance(n_vocab, Integral) or n_vocab <= 0:
-            raise ToyError(f"n_vocab={n_vocab!r} must be a positive integer")
+            raise SamplingError(f"n_vocab={n_vocab!r} must be a positive integer")
         self.n_vocab = int(n_vocab)
         too_big = [t for t in params.stop_tokens if t >= self.n_vocab]
         if too_big:
-            raise ToyError(f"stop_tokens id {too_big[0]} is outside the vocabulary [0, {self.n_vocab})")
+            raise SamplingError(f"stop_tokens id {too_big[0]} is outside the vocabulary [0, {self.n_vocab})")
         # 63 bits so the recorded seed is itself a valid SamplingParams.seed.
         self.seed = int(params.seed) if params.seed is not None else secrets.randbits(63)
         self.rng = np.random.default_rng(self.seed)
@@ -340,9 +350,9 @@ class Sampler:
     def _check(self, logits) -> np.ndarray:
         x = _as_logits(logits)
         if x.size != self.n_vocab:
-            raise ToyError(f"logits size {x.size} does not match n_vocab={self.n_vocab}")
+            raise SamplingError(f"logits size {x.size} does not match n_vocab={self.n_vocab}")
         if not (x < np.inf).all():  # one pass: NaN fails the comparison too
-            raise ToyError("logits contain NaN or +inf", hint="the model's forward pass overflowed")
+            raise SamplingError("logits contain NaN or +inf", hint="the model's forward pass overflowed")
         return x
 
     def sample(self, logits, history: Sequence[int] | np.ndarray) -> int:
@@ -352,7 +362,7 @@ class Sampler:
             self._check(logits), history, p.repeat_penalty, p.frequency_penalty, p.presence_penalty, p.penalty_last_n
         )
         if not x.max() > -np.inf:
-            raise ToyError("every token has logit -inf; nothing can be sampled")
+            raise SamplingError("every token has logit -inf; nothing can be sampled")
         if p.temperature == 0:
             return int(np.argmax(x))
         x = top_k_filter(x, p.top_k)
@@ -381,7 +391,7 @@ class Sampler:
         if n is None:
             return None
         if not 0 <= token < self.n_vocab:
-            raise ToyError(f"token={token} is outside the vocabulary [0, {self.n_vocab})")
+            raise SamplingError(f"token={token} is outside the vocabulary [0, {self.n_vocab})")
         lp = log_softmax(self._check(logits))
         ids, values = _top_of(lp, n)
         top = tuple((int(i), float(v)) for i, v in zip(ids, values))

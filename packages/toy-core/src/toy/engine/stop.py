@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from toy.errors import ToyError
+from toy.engine.sampling import SamplingError
 
 
 def _normalize(stops: Sequence[str] | str) -> tuple[str, ...]:
@@ -52,12 +52,12 @@ def _normalize(stops: Sequence[str] | str) -> tuple[str, ...]:
     try:
         items = tuple(stops)
     except TypeError:
-        raise ToyError(f"stops={stops!r} must be a list of strings") from None
+        raise SamplingError(f"stops={stops!r} must be a list of strings") from None
     for s in items:
         if not isinstance(s, str):
-            raise ToyError(f"stop string {s!r} must be a str, not {type(s).__name__}")
+            raise SamplingError(f"stop string {s!r} must be a str, not {type(s).__name__}")
         if s == "":
-            raise ToyError("stop string '' is empty", hint="an empty stop string would end generation at once")
+            raise SamplingError("stop string '' is empty", hint="an empty stop string would end generation at once")
     return tuple(dict.fromkeys(items))
 
 
@@ -108,7 +108,7 @@ class StopMatcher:
     def push(self, text: str) -> tuple[str, bool]:
         """Feed the next piece of generated text; return what may be emitted now and whether a stop was hit."""
         if not isinstance(text, str):
-            raise ToyError(f"text={text!r} must be a str, not {type(text).__name__}")
+            raise SamplingError(f"text={text!r} must be a str, not {type(text).__name__}")
         if self.stopped:
             return "", True
         if not self.stops:
@@ -149,7 +149,7 @@ def truncate_at_stop(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
     Equal to pushing ``text`` through a ``StopMatcher`` in any number of pieces and then flushing.
     """
     if not isinstance(text, str):
-        raise ToyError(f"text={text!r} must be a str, not {type(text).__name__}")
+        raise SamplingError(f"text={text!r} must be a str, not {type(text).__name__}")
     hit = _first_stop(text, _normalize(stops))
     if hit is None:
         return text, None

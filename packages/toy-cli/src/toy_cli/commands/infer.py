@@ -1,0 +1,319 @@
+"""`toy infer` and `toy chat`: generate text from a llama-family GGUF model.
+
+Output rules: generated text streams to stdout as it is produced; timings
+(prefill and decode tok/s, time to first token) go to stderr; ``--json``
+prints one JSON object (ids, text, timings) instead of streaming. Ctrl-C
+stops the current reply at the next token (a SIGINT handler sets a flag; no
+exception lands in the middle of a compute): `toy infer` then exits 130
+after printing what it has, `toy chat` returns to its prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from toy_cli.commands.models import DEFAULT_MODEL, _cli_error, _errors
+
+# Options shared by infer and chat (typer reads them from the signatures).
+Temp = Annotated[float, typer.Option("--temperature", "--temp", help="0 = greedy.", rich_help_panel="Sampling")]
+TopK = Annotated[
+    int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).", rich_help_panel="Sampling")
+]
+TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (1 = off).", rich_help_panel="Sampling")]
+MinP = Annotated[
+    float,
+    typer.Option("--min-p", help="Drop tokens below p x the top probability (0 = off).", rich_help_panel="Sampling"),
+]
+RepPen = Annotated[
+    float, typer.Option("--repeat-penalty", help="llama.cpp repetition penalty (1 = off).", rich_help_panel="Sampling")
+]
+FreqPen = Annotated[
+    float, typer.Option("--frequency-penalty", help="OpenAI frequency penalty (-2..2).", rich_help_panel="Sampling")
+]
+PresPen = Annotated[
+    float, typer.Option("--presence-penalty", help="OpenAI presence penalty (-2..2).", rich_help_panel="Sampling")
+]
+PenN = Annotated[
+    int,
+    typer.Option(
+        "--penalty-last-n", help="Tokens the penalties look back over (-1 = all).", rich_help_panel="Sampling"
+    ),
+]
+Seed = Annotated[int | None, typer.Option("--seed", help="Same seed, same text.", rich_help_panel="Sampling")]
+Stop = Annotated[
+    list[str] | None, typer.Option("--stop", help="Stop at this string (repeatable).", rich_help_panel="Sampling")
+]
+Greedy = Annotated[bool, typer.Option("--greedy", help="Temperature 0 (argmax).", rich_help_panel="Sampling")]
+IgnoreEos = Annotated[
+    bool, typer.Option("--ignore-eos", help="Keep going past end-of-generation tokens.", rich_help_panel="Sampling")
+]
+MaxTok = Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate.")]
+Device = Annotated[str | None, typer.Option("--device", help="cpu, cuda0, ... (default: TOY_DEVICE, else auto).")]
+Threads = Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (default: physical cores).")]
+Ctx = Annotated[int | None, typer.Option("--ctx", help="Context tokens (default: the model's, at most 4096).")]
+Batch = Annotated[int, typer.Option("--batch", help="Prefill micro-batch (tokens per graph).")]
+Flash = Annotated[bool, typer.Option("--flash-attn", help="Use flash attention.")]
+KvType = Annotated[str, typer.Option("--kv-type", help="KV cache type: f16, f32, q8_0 (q8_0 needs --flash-attn).")]
+System = Annotated[str | None, typer.Option("--system", help="System message (chat).")]
+
+
+def _sampling(**kw):
+    """SamplingParams from the CLI flags; a bad value is an exit-2 error."""
+    from toy.engine.sampling import SamplingParams
+
+    with _errors():
+        if kw.pop("greedy"):
+            kw["temperature"] = 0.0
+        kw["stop"] = tuple(kw["stop"] or ())
+        return SamplingParams(**kw).validate()
+
+
+def _load(model: str, device, threads, ctx, batch, flash_attn, kv_type):
+    import toy
+
+    with _errors():
+        return toy.load(
+            model, device=device, threads=threads, n_ctx=ctx, n_batch=batch, flash_attn=flash_attn, kv_type=kv_type
+        )
+
+
+@contextmanager
+def _sigint_flag():
+    """Ctrl-C sets flag['hit'] instead of raising while the block runs."""
+    flag = {"hit": False}
+
+    def handler(signum, frame):
+        flag["hit"] = True
+
+    try:
+        old = signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread (e.g. under a test runner thread): plain behaviour
+        yield flag
+        return
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _timings_line(g) -> str:
+    t = g.timings
+    parts = [f"prompt {t.get('prompt_tokens', 0)} tok"]
+    if t.get("prompt_cached"):
+        parts[-1] += f" ({t['prompt_cached']} cached)"
+    if t.get("prefill_tok_s"):
+        parts.append(f"prefill {t['prefill_tok_s']:.1f} tok/s")
+    if "ttft_s" in t:
+        parts.append(f"first token {t['ttft_s'] * 1000:.0f} ms")
+    parts.append(f"{len(g.tokens)} tok generated")
+    if t.get("decode_tok_s"):
+        parts.append(f"decode {t['decode_tok_s']:.1f} tok/s")
+    parts.append(f"finish: {g.finish_reason}")
+    return "; ".join(parts)
+
+
+def _read_prompt(prompt: str | None, prompt_opt: str | None, prompt_file: Path | None) -> str:
+    given = [p for p in (prompt, prompt_opt) if p is not None]
+    if prompt_file is not None:
+        try:
+            given.append(prompt_file.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise _cli_error(f"{prompt_file}: {e.strerror or e}", "--prompt-file names a UTF-8 text file", 2) from e
+    if len(given) > 1:
+        raise _cli_error("the prompt is given twice", "use one of PROMPT, --prompt or --prompt-file", 2)
+    if given:
+        return given[0]
+    if not sys.stdin.isatty():
+        return sys.stdin.read()
+    raise _cli_error("no prompt", "pass PROMPT, --prompt TEXT, --prompt-file FILE or pipe text to stdin", 2)
+
+
+def infer(
+    model: Annotated[str, typer.Argument(help=f"A GGUF path or a model name (e.g. {DEFAULT_MODEL}).")],
+    prompt: Annotated[str | None, typer.Argument(help="The prompt (else --prompt, --prompt-file or stdin).")] = None,
+    prompt_opt: Annotated[str | None, typer.Option("--prompt", "-p", help="The prompt.")] = None,
+    prompt_file: Annotated[
+        Path | None, typer.Option("--prompt-file", "-f", help="Read the prompt from a file.")
+    ] = None,
+    chat: Annotated[
+        bool, typer.Option("--chat", help="Send the prompt as a user message through the chat template.")
+    ] = False,
+    system: System = None,
+    max_tokens: MaxTok = 256,
+    temperature: Temp = 0.8,
+    top_k: TopK = 40,
+    top_p: TopP = 0.95,
+    min_p: MinP = 0.05,
+    repeat_penalty: RepPen = 1.0,
+    frequency_penalty: FreqPen = 0.0,
+    presence_penalty: PresPen = 0.0,
+    penalty_last_n: PenN = 64,
+    seed: Seed = None,
+    stop: Stop = None,
+    greedy: Greedy = False,
+    ignore_eos: IgnoreEos = False,
+    logprobs: Annotated[
+        int | None, typer.Option("--logprobs", help="With --json: each token's logprob and N alternatives.")
+    ] = None,
+    device: Device = None,
+    threads: Threads = None,
+    ctx: Ctx = None,
+    batch: Batch = 512,
+    flash_attn: Flash = False,
+    kv_type: KvType = "f16",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (ids, text, timings).")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No timings on stderr.")] = False,
+) -> None:
+    """Generate text from a prompt, streaming it to stdout (timings on stderr)."""
+    params = _sampling(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repeat_penalty=repeat_penalty,
+        frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
+        penalty_last_n=penalty_last_n,
+        seed=seed,
+        stop=stop,
+        greedy=greedy,
+        ignore_eos=ignore_eos,
+        logprobs=logprobs,
+    )
+    text = _read_prompt(prompt, prompt_opt, prompt_file)
+    if system is not None and not chat:
+        raise _cli_error("--system needs --chat", "add --chat to use the chat template", 2)
+    m = _load(model, device, threads, ctx, batch, flash_attn, kv_type)
+    try:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        with _errors():
+            ids = m.prompt_ids(messages if chat else text)
+            stream = m.stream(ids, params)
+        with _sigint_flag() as flag:
+            for chunk in stream:
+                if not as_json:
+                    sys.stdout.write(chunk)
+                    sys.stdout.flush()
+                if flag["hit"]:
+                    stream.close()
+                    break
+        g = stream.result
+        if as_json:
+            out = {"model": str(m.path), "prompt_ids": ids, **g.to_dict()}
+            typer.echo(json.dumps(out, ensure_ascii=False))
+        else:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        if not quiet:
+            typer.echo(_timings_line(g), err=True)
+        if flag["hit"]:
+            raise typer.Exit(130)
+    finally:
+        m.close()
+
+
+def chat_cmd(
+    model: Annotated[str, typer.Argument(help=f"A GGUF path or a model name (e.g. {DEFAULT_MODEL}).")] = DEFAULT_MODEL,
+    system: System = None,
+    max_tokens: MaxTok = 512,
+    temperature: Temp = 0.8,
+    top_k: TopK = 40,
+    top_p: TopP = 0.95,
+    min_p: MinP = 0.05,
+    repeat_penalty: RepPen = 1.0,
+    frequency_penalty: FreqPen = 0.0,
+    presence_penalty: PresPen = 0.0,
+    penalty_last_n: PenN = 64,
+    seed: Seed = None,
+    stop: Stop = None,
+    greedy: Greedy = False,
+    device: Device = None,
+    threads: Threads = None,
+    ctx: Ctx = None,
+    batch: Batch = 512,
+    flash_attn: Flash = False,
+    kv_type: KvType = "f16",
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No timings after each reply.")] = False,
+) -> None:
+    """Chat with a model in the terminal. /reset starts over, /exit (or Ctrl-D) leaves,
+    Ctrl-C stops the current reply. The KV cache is kept between turns."""
+    params = _sampling(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repeat_penalty=repeat_penalty,
+        frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
+        penalty_last_n=penalty_last_n,
+        seed=seed,
+        stop=stop,
+        greedy=greedy,
+        ignore_eos=False,
+        logprobs=None,
+    )
+    m = _load(model, device, threads, ctx, batch, flash_attn, kv_type)
+    interactive = sys.stdin.isatty()
+    try:
+        session = m.chat(system=system)
+        if interactive:
+            typer.echo(f"{m.path.name} — /reset to start over, /exit to leave, Ctrl-C stops a reply", err=True)
+        while True:
+            try:
+                line = input("> " if interactive else "")
+            except EOFError:
+                break
+            except KeyboardInterrupt:
+                typer.echo("\n(/exit to leave)", err=True)
+                continue
+            cmd = line.strip()
+            if not cmd:
+                continue
+            if cmd in ("/exit", "/quit"):
+                break
+            if cmd == "/reset":
+                session.reset()
+                typer.echo("(conversation reset)", err=True)
+                continue
+            if cmd.startswith("/"):
+                typer.echo(f"unknown command {cmd.split()[0]} (/reset, /exit)", err=True)
+                continue
+            with _errors():
+                try:
+                    stream = session.send(line, sampling=params)
+                except Exception as e:
+                    from toy.engine.llm import ContextOverflowError
+
+                    if isinstance(e, ContextOverflowError):
+                        typer.echo(f"error: {e} — /reset to start a new conversation", err=True)
+                        continue
+                    raise
+            with _sigint_flag() as flag:
+                for chunk in stream:
+                    sys.stdout.write(chunk)
+                    sys.stdout.flush()
+                    if flag["hit"]:
+                        stream.close()
+                        break
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            if flag["hit"]:
+                typer.echo("(reply stopped)", err=True)
+            if not quiet and stream.result is not None:
+                typer.echo(_timings_line(stream.result), err=True)
+    finally:
+        m.close()
+
+
+def register(app: typer.Typer) -> None:
+    app.command("infer")(infer)
+    app.command("chat")(chat_cmd)
