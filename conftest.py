@@ -3,7 +3,9 @@
 Test folders are not on ``sys.path`` (pytest runs with
 ``--import-mode=importlib``), so shared helper modules are registered here
 once: ``import toy_test_models`` (tiny synthetic llama GGUF writer, local
-wheel lookup) and ``import gguf_bytes`` (a raw GGUF byte builder).
+wheel lookup), ``import gguf_bytes`` (a raw GGUF byte builder) and
+``from tiny_llama import write_tiny, VARIANTS`` (tiny seeded llama-family
+models covering every config variant, for forward and engine tests).
 
 ``record`` (benchmarks): print one figure as a JSON line on stdout with at
 least ``bench``, ``figure``, ``value`` and ``unit``, plus the context that
@@ -49,6 +51,7 @@ def find_smollm2() -> Path | None:
 _HELPERS = {
     "toy_test_models": "packages/toy-core/tests/model_path.py",
     "gguf_bytes": "packages/toy-core/tests/gguf_bytes.py",
+    "tiny_llama": "packages/toy-core/tests/tiny_llama.py",
 }
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tiny_llama import VARIANTS, write_tiny  # registered by the root conftest.py
 
 import toy_ggml as tg
 from toy.errors import ToyError
@@ -26,86 +27,6 @@ def rt():
     r = tg.Runtime("cpu", threads=2)
     yield r
     r.close()
-
-
-def write_tiny(
-    path,
-    *,
-    seed=0,
-    arch="llama",
-    vocab=64,
-    d=32,
-    n_layer=2,
-    n_head=4,
-    n_head_kv=2,
-    head_dim=8,
-    d_ff=48,
-    tied=False,
-    qkv_bias=False,
-    qk_norm=False,
-    rope_dims=None,
-    rope_base=10000.0,
-):
-    """A seeded random llama-family model with F32 weights."""
-    rng = np.random.default_rng(seed)
-
-    def rnd(*shape, scale=0.3):
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-    def gamma(n):
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-
-    w = GGUFWriter(path)
-    w.add("general.architecture", arch)
-    w.add(f"{arch}.block_count", n_layer)
-    w.add(f"{arch}.embedding_length", d)
-    w.add(f"{arch}.attention.head_count", n_head)
-    w.add(f"{arch}.attention.head_count_kv", n_head_kv)
-    w.add(f"{arch}.feed_forward_length", d_ff)
-    w.add(f"{arch}.context_length", 128)
-    w.add(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
-    w.add(f"{arch}.rope.freq_base", rope_base)
-    if head_dim != d // n_head:
-        w.add(f"{arch}.attention.key_length", head_dim)
-        w.add(f"{arch}.attention.value_length", head_dim)
-    if rope_dims is not None:
-        w.add(f"{arch}.rope.dimension_count", rope_dims)
-    w.add_tensor("token_embd.weight", rnd(vocab, d, scale=1.0))
-    w.add_tensor("output_norm.weight", gamma(d))
-    if not tied:
-        w.add_tensor("output.weight", rnd(vocab, d))
-    for i in range(n_layer):
-        p = f"blk.{i}"
-        w.add_tensor(f"{p}.attn_norm.weight", gamma(d))
-        w.add_tensor(f"{p}.attn_q.weight", rnd(n_head * head_dim, d))
-        w.add_tensor(f"{p}.attn_k.weight", rnd(n_head_kv * head_dim, d))
-        w.add_tensor(f"{p}.attn_v.weight", rnd(n_head_kv * head_dim, d))
-        if qkv_bias:
-            w.add_tensor(f"{p}.attn_q.bias", rnd(n_head * head_dim))
-            w.add_tensor(f"{p}.attn_k.bias", rnd(n_head_kv * head_dim))
-            w.add_tensor(f"{p}.attn_v.bias", rnd(n_head_kv * head_dim))
-        if qk_norm:
-            w.add_tensor(f"{p}.attn_q_norm.weight", gamma(head_dim))
-            w.add_tensor(f"{p}.attn_k_norm.weight", gamma(head_dim))
-        w.add_tensor(f"{p}.attn_output.weight", rnd(d, n_head * head_dim))
-        w.add_tensor(f"{p}.ffn_norm.weight", gamma(d))
-        w.add_tensor(f"{p}.ffn_gate.weight", rnd(d_ff, d))
-        w.add_tensor(f"{p}.ffn_up.weight", rnd(d_ff, d))
-        w.add_tensor(f"{p}.ffn_down.weight", rnd(d, d_ff))
-    w.write()
-    return path
-
-
-VARIANTS = {
-    "gqa_untied": {},
-    "mha_tied": {"n_head_kv": 4, "tied": True},
-    "gqa_4to1": {"n_head_kv": 1, "seed": 1},
-    "qwen2_bias_neox": {"arch": "qwen2", "qkv_bias": True, "tied": True, "seed": 2},
-    "qwen3_qknorm_neox": {"arch": "qwen3", "qk_norm": True, "seed": 3},
-    "head_dim_12": {"head_dim": 12, "seed": 4},
-    "partial_rope_normal": {"head_dim": 12, "rope_dims": 8, "seed": 5},
-    "partial_rope_neox": {"arch": "qwen2", "head_dim": 12, "rope_dims": 8, "seed": 6},
-}
 
 
 @pytest.mark.parametrize("kv_pad", [1, 16])

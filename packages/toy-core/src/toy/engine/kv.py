@@ -106,6 +106,7 @@ class KVCache:
 
     def common_prefix(self, slot: int, ids) -> int:
         """How many leading tokens of ``ids`` the slot already holds."""
+        self._check(slot)
         held = self._tokens[slot]
         n = min(len(held), len(ids))
         a = np.asarray(held[:n], np.int64)

@@ -274,8 +274,9 @@ class LLMEngine:
         ids = np.asarray(ids, dtype=np.int32).reshape(-1)
         if len(ids) == 0:
             raise ToyError("prefill: no tokens")
-        if ids.min() < 0 or ids.max() >= self.cfg.n_vocab:
-            raise ToyError(f"token id {int(ids.max() if ids.max() >= 0 else ids.min())} is outside the vocabulary")
+        bad = ids[(ids < 0) | (ids >= self.cfg.n_vocab)]
+        if len(bad):
+            raise ToyError(f"token id {int(bad[0])} is outside the vocabulary (0..{self.cfg.n_vocab - 1})")
         start = self._room(slot, len(ids))
         rows = []
         for a in range(0, len(ids), self.n_batch):
@@ -301,8 +302,9 @@ class LLMEngine:
         if len(tokens) != len(slots_t):
             raise ToyError(f"decode: {len(tokens)} tokens for {len(slots_t)} slots")
         tok = np.asarray(tokens, np.int32)
-        if tok.min() < 0 or tok.max() >= self.cfg.n_vocab:
-            raise ToyError("decode: a token id is outside the vocabulary")
+        bad = tok[(tok < 0) | (tok >= self.cfg.n_vocab)]
+        if len(bad):
+            raise ToyError(f"decode: token id {int(bad[0])} is outside the vocabulary (0..{self.cfg.n_vocab - 1})")
         pos = np.array([self._room(s, 1) for s in slots_t], np.int64)
         n_kvs = tuple(self._n_kv(int(p) + 1) for p in pos)
         g = self._decode_graph(slots_t, n_kvs)
