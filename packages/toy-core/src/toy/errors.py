@@ -9,3 +9,10 @@ class ToyError(Exception):
     def __init__(self, message: str, hint: str | None = None):
         super().__init__(message)
         self.hint = hint
+
+
+class BadInputError(ToyError):
+    """An argument or input the caller can fix (a value out of range, an
+    unknown option, an empty prompt): the CLI exits 2, the server answers 400."""
+
+    exit_code = 2

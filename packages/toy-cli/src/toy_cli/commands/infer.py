@@ -142,10 +142,13 @@ def _read_prompt(prompt: str | None, prompt_opt: str | None, prompt_file: Path |
             raise _cli_error(f"{prompt_file}: {e.strerror or e}", "--prompt-file names a UTF-8 text file", 2) from e
     if len(given) > 1:
         raise _cli_error("the prompt is given twice", "use one of PROMPT, --prompt or --prompt-file", 2)
-    if given:
+    if given and prompt_file is None:
         return given[0]
-    if not sys.stdin.isatty():
-        return sys.stdin.read()
+    if not given and not sys.stdin.isatty():
+        given.append(sys.stdin.read())
+    if given:
+        # one trailing newline from a file or a pipe (`echo text | toy infer`) is not part of the prompt
+        return given[0][:-1] if given[0].endswith("\n") else given[0]
     raise _cli_error("no prompt", "pass PROMPT, --prompt TEXT, --prompt-file FILE or pipe text to stdin", 2)
 
 

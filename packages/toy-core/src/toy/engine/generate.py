@@ -40,7 +40,7 @@ import toy_ggml
 from toy.engine.llm import LLMEngine
 from toy.engine.sampling import Sampler, SamplingParams, TokenLogprob
 from toy.engine.stop import StopMatcher
-from toy.errors import ToyError
+from toy.errors import BadInputError
 
 DEFAULT_MAX_CTX = 4096
 
@@ -135,11 +135,13 @@ class Model:
             ids = [int(i) for i in prompt]
             bad = [i for i in ids if not 0 <= i < self.cfg.n_vocab]
             if bad:
-                raise ToyError(f"token id {bad[0]} is outside the vocabulary (0..{self.cfg.n_vocab - 1})")
+                raise BadInputError(f"token id {bad[0]} is outside the vocabulary (0..{self.cfg.n_vocab - 1})")
         else:
-            raise ToyError(f"a prompt is a str, a list of token ids or a list of messages, not {type(prompt).__name__}")
+            raise BadInputError(
+                f"a prompt is a str, a list of token ids or a list of messages, not {type(prompt).__name__}"
+            )
         if not ids:
-            raise ToyError("the prompt is empty (no tokens)")
+            raise BadInputError("the prompt is empty (no tokens)")
         return ids
 
     # -- forward
@@ -360,7 +362,7 @@ def load(
 
     path = _resolve(model, fetch)
     if threads is not None and threads < 1:
-        raise ToyError(f"threads={threads} must be >= 1")
+        raise BadInputError(f"threads={threads} must be >= 1")
     runtime = toy_ggml.Runtime(toy_ggml.resolve_device(device), threads=threads or toy_ggml.default_threads())
     gf = None
     try:
@@ -371,7 +373,7 @@ def load(
         limit = cfg.context_length or DEFAULT_MAX_CTX
         ctx = min(limit, DEFAULT_MAX_CTX) if n_ctx is None else n_ctx
         if not 1 <= ctx <= limit:
-            raise ToyError(f"n_ctx={ctx} must be between 1 and the model's context length {limit}")
+            raise BadInputError(f"n_ctx={ctx} must be between 1 and the model's context length {limit}")
         llama = LlamaModel(cfg, gf, bind_tensors(gf, runtime), runtime)
         engine = LLMEngine(cfg, llama.weights, runtime, ctx, n_slot, n_batch, kv_type, flash_attn)
     except BaseException:

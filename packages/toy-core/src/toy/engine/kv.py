@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 import toy_ggml
-from toy.errors import ToyError
+from toy.errors import BadInputError
 
 KV_TYPES = {"f16": toy_ggml.GGMLType.F16, "f32": toy_ggml.GGMLType.F32, "q8_0": toy_ggml.GGMLType.Q8_0}
 
@@ -41,7 +41,7 @@ def kv_type_of(name) -> toy_ggml.GGMLType:
         name = name.name
     t = KV_TYPES.get(str(name).lower())
     if t is None:
-        raise ToyError(f"KV cache type {name!r} is not supported", hint=f"choose one of {', '.join(KV_TYPES)}")
+        raise BadInputError(f"KV cache type {name!r} is not supported", hint=f"choose one of {', '.join(KV_TYPES)}")
     return t
 
 
@@ -51,14 +51,14 @@ class KVCache:
 
     def __init__(self, cfg, runtime: toy_ggml.Runtime, n_ctx: int, n_slot: int = 1, kv_type="f16", v_trans=True):
         if n_ctx < 1 or n_slot < 1:
-            raise ToyError(f"KV cache needs n_ctx >= 1 and n_slot >= 1 (got n_ctx={n_ctx}, n_slot={n_slot})")
+            raise BadInputError(f"KV cache needs n_ctx >= 1 and n_slot >= 1 (got n_ctx={n_ctx}, n_slot={n_slot})")
         self.kv_type = kv_type_of(kv_type)
         if v_trans and self.kv_type == toy_ggml.GGMLType.Q8_0:
-            raise ToyError("a Q8_0 KV cache needs flash attention", hint="pass flash_attn=True or kv_type='f16'")
+            raise BadInputError("a Q8_0 KV cache needs flash attention", hint="pass flash_attn=True or kv_type='f16'")
         self.cfg, self.n_ctx, self.n_slot, self.v_trans = cfg, n_ctx, n_slot, v_trans
         self.width = cfg.n_head_kv * cfg.head_dim
         if self.kv_type == toy_ggml.GGMLType.Q8_0 and cfg.head_dim % 32:
-            raise ToyError(f"a Q8_0 KV cache needs a head size that is a multiple of 32 (got {cfg.head_dim})")
+            raise BadInputError(f"a Q8_0 KV cache needs a head size that is a multiple of 32 (got {cfg.head_dim})")
         self._ctx = toy_ggml.Context(max_tensors=2 * cfg.n_layer + 2)
         k_shape = (n_slot, n_ctx, self.width)
         v_shape = (n_slot, self.width, n_ctx) if v_trans else k_shape
@@ -76,7 +76,7 @@ class KVCache:
 
     def _check(self, slot: int) -> None:
         if not 0 <= slot < self.n_slot:
-            raise ToyError(f"slot {slot} is out of range (the cache has {self.n_slot} slots)")
+            raise BadInputError(f"slot {slot} is out of range (the cache has {self.n_slot} slots)")
 
     def length(self, slot: int) -> int:
         """Tokens cached in ``slot`` (its next position)."""
@@ -97,7 +97,7 @@ class KVCache:
         """Keep the first ``n`` tokens of ``slot`` (0 clears it)."""
         self._check(slot)
         if n < 0:
-            raise ToyError(f"truncate: n={n} must be >= 0")
+            raise BadInputError(f"truncate: n={n} must be >= 0")
         del self._tokens[slot][n:]
 
     def clear(self, slot: int | None = None) -> None:

@@ -39,17 +39,15 @@ import numpy as np
 
 import toy_ggml
 from toy.engine.kv import KVCache
-from toy.errors import ToyError
+from toy.errors import BadInputError
 from toy.models.llama import LlamaConfig, attention, forward, padded_length
 
 F16, F32, I32, I64 = toy_ggml.GGMLType.F16, toy_ggml.GGMLType.F32, toy_ggml.GGMLType.I32, toy_ggml.GGMLType.I64
 
 
-class ContextOverflowError(ToyError):
+class ContextOverflowError(BadInputError):
     """A sequence would grow past its slot's context length (bad input: the
     CLI exits 2)."""
-
-    exit_code = 2
 
 
 @dataclass
@@ -98,7 +96,7 @@ class LLMEngine:
         max_graphs: int = 16,
     ):
         if n_batch < 1:
-            raise ToyError(f"n_batch={n_batch} must be >= 1")
+            raise BadInputError(f"n_batch={n_batch} must be >= 1")
         self.cfg, self.weights, self.runtime = cfg, weights, runtime
         self.flash_attn = bool(flash_attn)
         self.cache = KVCache(cfg, runtime, n_ctx, n_slot, kv_type, v_trans=not self.flash_attn)
@@ -273,10 +271,10 @@ class LLMEngine:
         last token (V,) or, with ``all_logits``, of every token (n, V)."""
         ids = np.asarray(ids, dtype=np.int32).reshape(-1)
         if len(ids) == 0:
-            raise ToyError("prefill: no tokens")
+            raise BadInputError("prefill: no tokens")
         bad = ids[(ids < 0) | (ids >= self.cfg.n_vocab)]
         if len(bad):
-            raise ToyError(f"token id {int(bad[0])} is outside the vocabulary (0..{self.cfg.n_vocab - 1})")
+            raise BadInputError(f"token id {int(bad[0])} is outside the vocabulary (0..{self.cfg.n_vocab - 1})")
         start = self._room(slot, len(ids))
         rows = []
         for a in range(0, len(ids), self.n_batch):
@@ -298,13 +296,13 @@ class LLMEngine:
         """One token for each sequence (distinct slots): logits (S, V)."""
         slots_t = tuple(int(s) for s in slots)
         if len(set(slots_t)) != len(slots_t) or not slots_t:
-            raise ToyError(f"decode: slots {slots_t} must be distinct and non-empty")
+            raise BadInputError(f"decode: slots {slots_t} must be distinct and non-empty")
         if len(tokens) != len(slots_t):
-            raise ToyError(f"decode: {len(tokens)} tokens for {len(slots_t)} slots")
+            raise BadInputError(f"decode: {len(tokens)} tokens for {len(slots_t)} slots")
         tok = np.asarray(tokens, np.int32)
         bad = tok[(tok < 0) | (tok >= self.cfg.n_vocab)]
         if len(bad):
-            raise ToyError(f"decode: token id {int(bad[0])} is outside the vocabulary (0..{self.cfg.n_vocab - 1})")
+            raise BadInputError(f"decode: token id {int(bad[0])} is outside the vocabulary (0..{self.cfg.n_vocab - 1})")
         pos = np.array([self._room(s, 1) for s in slots_t], np.int64)
         n_kvs = tuple(self._n_kv(int(p) + 1) for p in pos)
         g = self._decode_graph(slots_t, n_kvs)

@@ -52,14 +52,12 @@ from numbers import Integral, Real
 
 import numpy as np
 
-from toy.errors import ToyError
+from toy.errors import BadInputError
 
 
-class SamplingError(ToyError):
+class SamplingError(BadInputError):
     """A sampling option out of range, or logits/history that cannot be
     sampled (bad input: the CLI exits 2, the server answers 400)."""
-
-    exit_code = 2
 
 
 MAX_LOGPROBS = 20
