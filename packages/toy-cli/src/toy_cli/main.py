@@ -133,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: runs the app and maps errors to error:/hint: and exit codes."""
     _load_plugins()
     try:
-        app(args=argv, standalone_mode=False)
+        rv = app(args=argv, standalone_mode=False)
+        if isinstance(rv, int):  # click returns typer.Exit's code instead of raising it here
+            return rv
     except CLIError as e:
         _report(e, str(e), e.hint, e.code)
         return e.code

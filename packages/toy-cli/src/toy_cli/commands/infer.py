@@ -138,8 +138,15 @@ def _read_prompt(prompt: str | None, prompt_opt: str | None, prompt_file: Path |
     if prompt_file is not None:
         try:
             given.append(prompt_file.read_text(encoding="utf-8"))
-        except OSError as e:
-            raise _cli_error(f"{prompt_file}: {e.strerror or e}", "--prompt-file names a UTF-8 text file", 2) from e
+        except (OSError, UnicodeDecodeError) as e:
+            why = (
+                e.strerror
+                if isinstance(e, OSError) and e.strerror
+                else f"not UTF-8 text ({e.reason})"
+                if isinstance(e, UnicodeDecodeError)
+                else e
+            )
+            raise _cli_error(f"{prompt_file}: {why}", "--prompt-file names a UTF-8 text file", 2) from e
     if len(given) > 1:
         raise _cli_error("the prompt is given twice", "use one of PROMPT, --prompt or --prompt-file", 2)
     if given and prompt_file is None:
@@ -208,6 +215,8 @@ def infer(
     text = _read_prompt(prompt, prompt_opt, prompt_file)
     if system is not None and not chat:
         raise _cli_error("--system needs --chat", "add --chat to use the chat template", 2)
+    if logprobs is not None and not as_json:
+        raise _cli_error("--logprobs needs --json", "add --json to get each token's logprobs", 2)
     m = _load(model, device, threads, ctx, batch, flash_attn, kv_type)
     try:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]

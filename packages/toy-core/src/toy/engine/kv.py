@@ -54,7 +54,10 @@ class KVCache:
             raise BadInputError(f"KV cache needs n_ctx >= 1 and n_slot >= 1 (got n_ctx={n_ctx}, n_slot={n_slot})")
         self.kv_type = kv_type_of(kv_type)
         if v_trans and self.kv_type == toy_ggml.GGMLType.Q8_0:
-            raise BadInputError("a Q8_0 KV cache needs flash attention", hint="pass flash_attn=True or kv_type='f16'")
+            raise BadInputError(
+                "a Q8_0 KV cache needs flash attention",
+                hint="turn on flash attention (--flash-attn, flash_attn=True) or use an f16 cache",
+            )
         self.cfg, self.n_ctx, self.n_slot, self.v_trans = cfg, n_ctx, n_slot, v_trans
         self.width = cfg.n_head_kv * cfg.head_dim
         if self.kv_type == toy_ggml.GGMLType.Q8_0 and cfg.head_dim % 32:

@@ -37,10 +37,17 @@ from typing import Any
 import numpy as np
 
 import toy_ggml
-from toy.errors import ToyError
+from toy.errors import BadInputError
 from toy.models.card import summary_from
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+class UnsupportedModelError(BadInputError):
+    """The file is not a llama-family model toy can run (architecture,
+    missing tensor, unsupported variant); the message says which."""
+
+
 _ROPE_MODE = {"llama": "normal", "qwen2": "neox", "qwen3": "neox"}
 _LAYER_TENSORS = (
     "attn_norm.weight",
@@ -103,7 +110,7 @@ class LlamaConfig:
     def from_metadata(cls, metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> LlamaConfig:
         arch = metadata.get("general.architecture")
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ToyError(
+            raise UnsupportedModelError(
                 f"architecture {arch!r} is not a llama-family model",
                 hint=f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}",
             )
@@ -119,14 +126,16 @@ class LlamaConfig:
             if v is None
         ]
         if missing_keys:
-            raise ToyError(f"{arch} metadata lacks {', '.join(f'{arch}.{k}' for k in missing_keys)}")
+            raise UnsupportedModelError(f"{arch} metadata lacks {', '.join(f'{arch}.{k}' for k in missing_keys)}")
         if s.per_layer:
-            raise ToyError(f"per-layer {', '.join(s.per_layer)} is not supported")
+            raise UnsupportedModelError(f"per-layer {', '.join(s.per_layer)} is not supported")
         rope = _rope_scaling(arch, metadata, s, "rope_freqs.weight" in tensors)
         if s.qkv_fused:
-            raise ToyError("a fused attn_qkv tensor is not supported (expected attn_q/attn_k/attn_v)")
+            raise UnsupportedModelError("a fused attn_qkv tensor is not supported (expected attn_q/attn_k/attn_v)")
         if s.head_dim_v not in (None, s.head_dim):
-            raise ToyError(f"value head size {s.head_dim_v} != key head size {s.head_dim} is not supported")
+            raise UnsupportedModelError(
+                f"value head size {s.head_dim_v} != key head size {s.head_dim} is not supported"
+            )
         need = ["token_embd.weight", "output_norm.weight"]
         for i in range(s.n_layer):
             need += [f"blk.{i}.{n}" for n in _LAYER_TENSORS]
@@ -137,9 +146,9 @@ class LlamaConfig:
         missing = [n for n in need if n not in tensors]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-            raise ToyError(f"the {arch} model lacks tensor {missing[0]!r}{more}")
+            raise UnsupportedModelError(f"the {arch} model lacks tensor {missing[0]!r}{more}")
         if s.n_head % s.n_head_kv:
-            raise ToyError(f"head_count {s.n_head} is not a multiple of head_count_kv {s.n_head_kv}")
+            raise UnsupportedModelError(f"head_count {s.n_head} is not a multiple of head_count_kv {s.n_head_kv}")
         vocab = s.vocab if s.vocab is not None else int(tensors["token_embd.weight"].shape[0])
         return cls(
             n_vocab=vocab,
@@ -183,18 +192,18 @@ def _rope_scaling(arch: str, metadata: Mapping[str, Any], s, has_freqs: bool) ->
     kind = s.rope_scaling if s.rope_scaling not in (None, "none") else None
     out: dict[str, Any] = {"rope_attn_factor": num("attn_factor", 1.0)}
     if kind not in (None, "linear", "yarn"):
-        raise ToyError(
+        raise UnsupportedModelError(
             f"rope scaling {kind!r} is not supported",
             hint="supported: none, linear, yarn, and llama3 frequency factors (rope_freqs.weight)",
         )
     if kind is not None:
         factor = s.rope_scaling_factor or 1.0
         if not factor > 0:
-            raise ToyError(f"{arch}.rope.scaling.factor={factor} must be > 0")
+            raise UnsupportedModelError(f"{arch}.rope.scaling.factor={factor} must be > 0")
         out.update(rope_scaling=kind, rope_freq_scale=1.0 / factor)
     if kind == "yarn":
         if num("yarn_log_multiplier", 0.0) != 0.0:
-            raise ToyError("YaRN with rope.scaling.yarn_log_multiplier is not supported")
+            raise UnsupportedModelError("YaRN with rope.scaling.yarn_log_multiplier is not supported")
         out.update(
             yarn_ext_factor=num("yarn_ext_factor", 1.0),
             yarn_beta_fast=num("yarn_beta_fast", 32.0),
@@ -203,7 +212,7 @@ def _rope_scaling(arch: str, metadata: Mapping[str, Any], s, has_freqs: bool) ->
     out["rope_orig_ctx"] = int(s.rope_orig_context or s.context_length or 0)
     if has_freqs:
         if kind is not None:
-            raise ToyError(f"rope_freqs.weight together with {kind} rope scaling is not supported")
+            raise UnsupportedModelError(f"rope_freqs.weight together with {kind} rope scaling is not supported")
         out["rope_scaling"] = "llama3"
     return out
 
@@ -425,6 +434,7 @@ class LlamaModel:
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
+    "UnsupportedModelError",
     "LlamaConfig",
     "LlamaModel",
     "attention",

@@ -34,7 +34,10 @@ from toy.tokenizer.pretok import PreTokenizerSpec, pre_tokenizer_spec, supported
 
 
 class TokenizerError(ToyError):
-    """A tokenizer cannot be built from the metadata, or was used wrongly."""
+    """A tokenizer cannot be built from the metadata, or was used wrongly
+    (the file or the input is at fault: the CLI exits 2)."""
+
+    exit_code = 2
 
 
 #: ``tokenizer.ggml.model`` values toy builds tokenizers for.
