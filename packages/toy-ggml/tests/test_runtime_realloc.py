@@ -71,3 +71,12 @@ def test_graph_rebuilt_after_scheduler_growth(rng):
         np.testing.assert_allclose(b.numpy(), reference(x, 1500), rtol=1e-4)
         rt.compute(g_a)
         np.testing.assert_allclose(a.numpy(), reference(x, 2), rtol=1e-5)
+
+
+def test_runtime_poll_range():
+    """poll is ggml's thread-pool spin level; out of 0..100 is refused before C sees it."""
+    for bad in (-1, 101):
+        with pytest.raises(ValueError, match="poll="):
+            tg.Runtime("cpu", threads=2, poll=bad)
+    for ok in (0, 50):
+        tg.Runtime("cpu", threads=2, poll=ok).close()

@@ -45,7 +45,11 @@ cdef class Runtime(_Handle):
     """Backends + scheduler + thread pool. ``device``: a device name from
     devices() (case-insensitive), "cpu", or "auto" (the first GPU, else the
     CPU). ``threads``: CPU threads (>= 1). One thread uses a Runtime at a
-    time (a second concurrent compute raises)."""
+    time (a second concurrent compute raises). ``poll`` (0..100): how long
+    the pool's threads spin waiting for the next graph before they sleep;
+    ggml's default 50 keeps a core busy for ~0.2 s after every compute (it
+    slows whatever else runs on the machine); 0, toy's default, sleeps at
+    once, which costs a thread wake-up (microseconds) per compute."""
     cdef ggml_backend_t _primary
     cdef ggml_backend_t _cpu
     cdef ggml_backend_sched_t _sched
@@ -65,11 +69,13 @@ cdef class Runtime(_Handle):
         self._current = None
         self._busy = False
 
-    def __init__(self, device="auto", int threads=1, int graph_size=8192):
+    def __init__(self, device="auto", int threads=1, int graph_size=8192, int poll=0):
         cdef size_t i
         cdef ggml_backend_dev_t d, chosen = NULL
         if threads < 1 or threads > 512:
             raise ValueError(f"threads={threads} must be in 1..512")
+        if poll < 0 or poll > 100:
+            raise ValueError(f"poll={poll} must be in 0..100")
         if device is None:
             device = "auto"
         want = str(device).lower()
@@ -107,6 +113,7 @@ cdef class Runtime(_Handle):
         cdef ggml_threadpool_params tpp
         if threads > 1:
             tpp = ggml_threadpool_params_default(threads)
+            tpp.poll = poll
             self._tp = ggml_threadpool_new(&tpp)
             if self._tp != NULL:
                 ggml_backend_cpu_set_threadpool(self._cpu, self._tp)

@@ -5,6 +5,7 @@ from toy_ggml._c.ggml_backend cimport ggml_backend_t, ggml_backend_reg_t
 cdef extern from "ggml.h" nogil:
     struct ggml_threadpool_params:
         int n_threads
+        unsigned int poll
     ctypedef void * ggml_threadpool_t
     ggml_threadpool_params ggml_threadpool_params_default(int n_threads)
 
