@@ -1,0 +1,155 @@
+"""toy's inference speed on the inference benchmark (the toy half).
+
+Run as a subprocess by ``test_bench_infer.py`` (its own process, so its peak
+RSS is toy's alone); mirrors ``tools/fixtures/bench_infer_peer.py`` (the
+llama.cpp half) step for step::
+
+    python packages/toy-core/benchmarks/bench_infer_toy.py --model M.gguf --ids ids.json
+
+``ids.json`` holds the prompts as token ids (``{"prompts": {"128": [...],
+"512": [...]}, "short": [...]}``), so tokenization is not measured.
+
+Protocol (stdin/stdout, one JSON object per stdout line): the script loads
+the model with ``toy.load(path, n_ctx=..., threads=...)`` (n_batch 512, F16 KV
+cache, no flash attention), runs one untimed warm-up of every step below (the
+engine builds a compute graph per shape on first use) and prints
+``{"ready": true, ...}``. Each ``rep`` line on stdin runs the timed steps once
+and prints their figures; ``done`` prints the peak RSS (``VmHWM``) and exits.
+
+What is timed:
+
+- prefill and time to first token, per prompt length: ``m.generate(ids,
+  temperature=0, max_tokens=1, ignore_eos=True)``, its ``timings["prefill_s"]``
+  (start of the generate call to the prompt's last logits) and
+  ``timings["ttft_s"]`` (... to the first sampled token);
+- decode: ``m.generate(short, max_tokens=new_tokens)`` greedy with EOS
+  ignored: ``decode_s`` is the generate loop's own sum of ``engine.decode``
+  calls (feed uploads, one graph compute, logits copied out), ``loop_s`` the
+  whole loop after the first token (adds greedy sampling, incremental
+  detokenizing, stop-string matching); ``compute_s`` sums the
+  ``Runtime.compute`` calls of those decode steps alone (timed by a thin
+  wrapper around the runtime for this run; it includes the scheduler's
+  re-allocation when the attention length crosses a 32-cell step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def vm_hwm_bytes() -> int | None:
+    """Peak resident set of this process (Linux ``VmHWM``), in bytes."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class _ComputeTimer:
+    """Stands in for the engine's runtime during one generate call: times
+    each ``compute`` and passes everything else through."""
+
+    def __init__(self, runtime):
+        self._runtime = runtime
+        self.durations: list[float] = []
+
+    def compute(self, graph) -> None:
+        t0 = time.perf_counter()
+        self._runtime.compute(graph)
+        self.durations.append(time.perf_counter() - t0)
+
+    def __getattr__(self, name):
+        return getattr(self._runtime, name)
+
+
+class ToySide:
+    def __init__(self, model: str, n_ctx: int, threads: int):
+        import toy
+
+        t0 = time.perf_counter()
+        self.m = toy.load(model, n_ctx=n_ctx, threads=threads)
+        self.load_s = time.perf_counter() - t0
+        self.version = toy.__version__
+
+    def rep(self, prompts: dict[str, list[int]], short: list[int], n_new: int, warm_up: bool = False) -> dict:
+        """One run of every step; ``warm_up``: without the compute timer (the
+        engine builds its graphs then, and that needs the real runtime)."""
+        m = self.m
+        res: dict = {"prefill": {}}
+        for n, ids in prompts.items():
+            t = m.generate(ids, temperature=0, max_tokens=1, ignore_eos=True).timings
+            res["prefill"][n] = {"tokens": len(ids), "prefill_s": t["prefill_s"], "ttft_s": t["ttft_s"]}
+
+        eng = m.engine
+        if warm_up:
+            m.generate(short, temperature=0, max_tokens=n_new, ignore_eos=True)
+            return res
+        timer = _ComputeTimer(eng.runtime)
+        eng.runtime = timer
+        try:
+            g = m.generate(short, temperature=0, max_tokens=n_new, ignore_eos=True)
+        finally:
+            eng.runtime = timer._runtime
+        t = g.timings
+        steps = t["decode_tokens"]
+        computes = timer.durations
+        # the short prompt is one prefill micro-batch: one compute, then one per decode step
+        assert len(computes) == 1 + steps, (len(computes), steps)
+        res["decode"] = {
+            "tokens": g.tokens,
+            "ttft_s": t["ttft_s"],
+            "decode_s": t["decode_s"],
+            "decode_steps": steps,
+            "loop_s": t["total_s"] - t["ttft_s"],
+            "compute_s": sum(computes[1:]),
+        }
+        return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="GGUF file")
+    ap.add_argument("--ids", required=True, help="JSON file with the prompt token ids")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--n-ctx", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    args = ap.parse_args()
+
+    with open(args.ids) as f:
+        spec = json.load(f)
+    prompts, short = spec["prompts"], spec["short"]
+
+    side = ToySide(args.model, args.n_ctx, args.threads)
+    side.rep(prompts, short, args.new_tokens, warm_up=True)  # warm-up: builds every graph the reps use
+    eng = side.m.engine
+    builds = eng.stats.graph_builds
+    ready = {
+        "ready": True,
+        "toy": f"toy {side.version}",
+        "load_s": side.load_s,
+        "threads": side.m.runtime.threads,
+        "n_ctx": side.m.n_ctx,
+        "kv_bytes": eng.cache.nbytes,
+        "graphs": builds,
+    }
+    print(json.dumps(ready), flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "rep":
+            print(json.dumps(side.rep(prompts, short, args.new_tokens)), flush=True)
+        elif cmd == "done":
+            break
+    done = {"done": True, "vm_hwm_bytes": vm_hwm_bytes(), "graph_builds_in_reps": eng.stats.graph_builds - builds}
+    side.m.close()
+    print(json.dumps(done), flush=True)
+
+
+if __name__ == "__main__":
+    main()
