@@ -34,6 +34,7 @@ lock, on first use); ids outside ``[0, vocab_size)`` raise ``TokenizerError``.
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import operator
 import os
 import threading
@@ -50,8 +51,10 @@ class Tokenizer:
     """Encode and decode with the vocabulary of a GGUF model."""
 
     def __init__(self, vocab: Vocab):
-        self.vocab = vocab
         self._hf = build_hf_tokenizer(vocab)
+        # the HF model holds the merges now; the parsed Python list (~8 MB for a
+        # 49k vocabulary) is not needed again (GGUF writers copy the file's metadata)
+        self.vocab = dataclasses.replace(vocab, merges=[]) if vocab.merges else vocab
         self._hf_plain: HFTokenizer | None = None
         self._lock = threading.Lock()
         self._pieces, self._pieces_plain = build_pieces(vocab)
