@@ -9,7 +9,7 @@ Steps (each skipped when its inputs did not change since the last run):
    when its stamp matches);
 4. install every package editable: ``toy-ggml`` through meson-python (its
    build directory is ``build/toy-ggml``; the editable loader rebuilds changed
-   sources on import), then ``toy-core`` and ``toy-cli``.
+   sources on import), then ``toy-core``, ``toy-cli`` and ``toy-serve``.
 
 A stamp (``.venv/.toy-setup.json``) records a hash of every input file, so a
 second run with nothing changed only checks hashes. ``--force`` redoes all.
@@ -33,7 +33,7 @@ VENV = ROOT / ".venv"
 STAMP = VENV / ".toy-setup.json"
 PY = VENV / "bin" / "python"
 
-PACKAGES = ["toy-core", "toy-cli"]  # pure-Python, installed after toy-ggml
+PACKAGES = ["toy-core", "toy-cli", "toy-serve"]  # pure-Python, installed after toy-ggml
 
 
 def digest(paths: list[Path]) -> str:
@@ -128,7 +128,7 @@ def main() -> int:
             "install",
             "--no-build-isolation",
             *[x for p in PACKAGES for x in ("-e", f"packages/{p}")],
-            what="installing toy-core and toy-cli (editable)",
+            what="installing toy-core, toy-cli and toy-serve (editable)",
         )
     done["packages"] = new["packages"]
     done["python"] = new["python"]

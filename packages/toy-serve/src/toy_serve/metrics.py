@@ -1,0 +1,129 @@
+"""Prometheus metrics of one server: ``Metrics`` owns its own registry.
+
+What is measured (all names start with ``toy_``):
+
+- ``toy_requests_total{endpoint, status}``: every HTTP request, counted when
+  its response has been sent (a stream counts when it ends). ``endpoint`` is
+  the route path for the known routes and "other" for anything else, so a
+  client probing random paths cannot grow the label set.
+- ``toy_prompt_tokens_total`` / ``toy_completion_tokens_total``: tokens of
+  finished sequences (generation and embedding jobs), counted by the engine
+  worker when a job ends, whatever its finish reason.
+- ``toy_sequences_finished_total{finish_reason}``: jobs ended, by reason
+  (stop, length, cancelled).
+- gauges ``toy_queue_depth``, ``toy_active_sequences``,
+  ``toy_kv_cells_used`` (cached tokens over all slots), set by the worker
+  after each step and each submit.
+- histograms ``toy_time_to_first_token_seconds`` (submit to first sampled
+  token), ``toy_inter_token_latency_seconds`` (between two tokens of one
+  sequence), ``toy_queue_wait_seconds`` (submit to admission into a slot)
+  and ``toy_request_duration_seconds{endpoint}`` (HTTP request start to the
+  last byte of the response, for every endpoint).
+
+Invariants: no module-level state. Each ``Metrics`` has its own
+``CollectorRegistry``, so several apps (tests) in one process never share
+or clash over series. All methods are thread-safe (prometheus_client's
+metrics are): the worker thread and the event loop both call them.
+
+Decision: request duration is observed per HTTP request by the app, not per
+job: a request with n=4 or with several prompts is one request, and the
+duration includes tokenization and the response. ``finished`` accepts the
+job's own duration (the worker passes it) but does not observe it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# generate_latest writes the classic text format (0.0.4); newer prometheus_client versions name 1.0.0 in
+# their CONTENT_TYPE_LATEST for the same bytes, so the version is stated here, matching what is written.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Bucket edges (seconds). A small model on a CPU decodes in ~5-50 ms per token and a request
+# can wait in the queue for minutes, so the ranges differ per histogram.
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+_WAIT = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_DURATION = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class Metrics:
+    """The counters, gauges and histograms of one app; ``render()`` is the /metrics body."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "toy_requests", "HTTP requests by endpoint and status code.", ["endpoint", "status"], registry=r
+        )
+        self.prompt_tokens = Counter("toy_prompt_tokens", "Prompt tokens of finished sequences.", registry=r)
+        self.completion_tokens = Counter("toy_completion_tokens", "Generated tokens of finished sequences.", registry=r)
+        self.sequences = Counter(
+            "toy_sequences_finished", "Sequences (jobs) finished, by finish reason.", ["finish_reason"], registry=r
+        )
+        self.queue_depth = Gauge("toy_queue_depth", "Requests waiting for a cache slot.", registry=r)
+        self.active = Gauge("toy_active_sequences", "Sequences holding a cache slot.", registry=r)
+        self.kv_cells = Gauge("toy_kv_cells_used", "KV cache cells in use over all slots.", registry=r)
+        self.time_to_first_token = Histogram(
+            "toy_time_to_first_token_seconds",
+            "From submit to the first sampled token.",
+            buckets=_WAIT,
+            registry=r,
+        )
+        self.inter_token = Histogram(
+            "toy_inter_token_latency_seconds",
+            "Between two consecutive tokens of one sequence.",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.queue_wait_s = Histogram(
+            "toy_queue_wait_seconds", "From submit to admission into a cache slot.", buckets=_WAIT, registry=r
+        )
+        self.request_duration = Histogram(
+            "toy_request_duration_seconds",
+            "HTTP request duration, to the last byte of the response.",
+            ["endpoint"],
+            buckets=_DURATION,
+            registry=r,
+        )
+
+    # -- called by the engine worker (its thread)
+
+    def queue_wait(self, seconds: float) -> None:
+        self.queue_wait_s.observe(max(0.0, seconds))
+
+    def ttft(self, seconds: float) -> None:
+        self.time_to_first_token.observe(max(0.0, seconds))
+
+    def itl(self, seconds: float) -> None:
+        self.inter_token.observe(max(0.0, seconds))
+
+    def finished(self, job: Any, reason: str, duration_s: float | None = None) -> None:
+        """A job ended: count its tokens (prompt = ``len(job.ids)``, completion = ``len(job.out)``)."""
+        self.prompt_tokens.inc(len(getattr(job, "ids", ()) or ()))
+        self.completion_tokens.inc(len(getattr(job, "out", ()) or ()))
+        self.sequences.labels(finish_reason=str(reason)).inc()
+
+    def gauges(self, queue: int, active: int, kv_cells: int) -> None:
+        self.queue_depth.set(queue)
+        self.active.set(active)
+        self.kv_cells.set(kv_cells)
+
+    # -- called by the app
+
+    def request(self, endpoint: str, status: int | str, duration_s: float | None = None) -> None:
+        """Count one HTTP request (and observe its duration when given)."""
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        if duration_s is not None:
+            self.request_duration.labels(endpoint=endpoint).observe(max(0.0, duration_s))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition format (``CONTENT_TYPE``)."""
+        return generate_latest(self.registry)
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float | None:
+        """One sample's current value (tests and diagnostics), e.g. ``value("toy_requests_total", {...})``."""
+        return self.registry.get_sample_value(name, labels or {})
+
+
+__all__ = ["CONTENT_TYPE", "Metrics"]

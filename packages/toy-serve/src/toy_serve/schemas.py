@@ -1,0 +1,405 @@
+"""The wire format: OpenAI-shaped request models, errors and response pieces.
+
+Request models are pydantic v2 models with OpenAI's field names; FastAPI
+validates bodies against them (and publishes them in /openapi.json).
+
+Decisions:
+
+- Unknown fields are ignored (``extra="ignore"``): the official clients and
+  tools send fields toy has no use for (``user``, ``metadata``, ...). Fields
+  that would change the result and that toy cannot honour (``logit_bias``,
+  ``suffix``, ``tools``, ``response_format`` other than text, ``best_of`` != n)
+  are refused with 400 instead of being silently dropped.
+- Types are strict (``"0.5"`` is not a number, ``1`` is not a boolean, an
+  int is a valid float, an integral float such as ``2.0`` is a valid int as
+  JSON Schema says) and NaN/inf are refused: wrong types are the client's
+  bug and answer 400 naming the field. Empty prompts, inputs and stop
+  strings are refused by the schema itself (``min_length``), so
+  /openapi.json states the real constraints.
+- Sampling defaults are OpenAI's, not llama.cpp's: temperature 1, top_p 1,
+  and the toy extensions off (``top_k`` 0, ``min_p`` 0,
+  ``repetition_penalty`` 1). ``penalty_last_n`` (extension, default 64 as
+  in toy) is the window the penalties look back over (prompt included).
+- temperature 0, or top_p 0, means greedy. ``seed`` -1 means "random"
+  (llama.cpp's convention). With a seed, choice i of n uses ``seed + i`` so
+  the n choices differ but the request is reproducible.
+- ``max_tokens``: completions default to 16 (OpenAI); chat defaults to the
+  rest of the context (``max_completion_tokens`` wins over ``max_tokens``);
+  an explicit null means the rest of the context. 0 is allowed (scoring).
+- ``logprobs`` (completions) and ``top_logprobs`` (chat) go up to 20. In
+  the legacy completions shape each ``top_logprobs`` dict holds the top k
+  plus the chosen token ("up to logprobs+1 elements", as OpenAI documents).
+- A token's text in logprobs is its bytes as UTF-8; a token that is only
+  part of a UTF-8 sequence is written ``bytes:\\xNN...`` (OpenAI's legacy
+  convention); the chat shape also carries the raw ``bytes``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+
+from toy.engine.sampling import SamplingParams
+
+MAX_N = 8
+MAX_LOGPROBS = 20
+MAX_STOP = 16
+MAX_ITEMS = 4096  # prompts, inputs, messages per request (the jobs bound is Settings.max_batch)
+MAX_IDS = 1_000_000  # token ids in one list (the context bounds them further)
+Text = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+Ids = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_IDS)]
+Prompt = Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_ITEMS)] | Ids
+Prompt |= Annotated[list[Ids], Field(min_length=1, max_length=MAX_ITEMS)]
+# What a union field must be, for the 400 message (pydantic lists one error per union member otherwise).
+UNION_HINTS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "input": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "a non-empty string, a list of at most 16 non-empty strings, or null",
+    "content": "a string or a list of {'type': 'text', 'text': ...} parts",
+}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data: Any) -> Any:
+        """JSON Schema calls 1.0 an integer (and some clients write ints so): in the integer fields an
+        integral float becomes an int; any other float still fails the strict int check."""
+        ints = _int_fields(cls)
+        if not isinstance(data, dict) or not ints:
+            return data
+        return {k: int(v) if k in ints and isinstance(v, float) and v.is_integer() else v for k, v in data.items()}
+
+
+@functools.cache
+def _int_fields(cls: type[BaseModel]) -> frozenset[str]:
+    return frozenset(name for name, f in cls.model_fields.items() if f.annotation in (int, int | None))
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class _Sampling(_Model):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None  # None or "" -> the served model
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, ge=0, le=1)
+    top_k: int = Field(0, ge=0, description="toy extension: keep the k most likely tokens (0 = off)")
+    min_p: float = Field(0.0, ge=0, le=1, description="toy extension: min-p filter (0 = off)")
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=10, description="toy extension: llama.cpp repeat penalty")
+    penalty_last_n: int = Field(64, ge=-1, description="toy extension: penalty window (-1 = whole context)")
+    seed: int | None = Field(None, ge=-1, lt=2**63)
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = Field(False, description="toy extension: generate past end-of-generation tokens")
+    logit_bias: dict[str, float] | None = None  # refused when non-empty
+    user: str | None = None  # ignored
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None  # refused when non-empty
+    best_of: int | None = Field(None, ge=1, le=MAX_N)  # accepted only when equal to n
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Model):
+    role: str = Field(min_length=1, max_length=64)
+    content: str | list[TextPart] | None = None
+    name: str | None = None  # ignored
+
+    def plain(self) -> dict[str, str]:
+        """``{"role", "content"}`` for the chat template: text parts joined, "developer" read as "system"."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(p.text for p in content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_ITEMS)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None  # refused when non-empty
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+
+    @property
+    def budget(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class EmbeddingRequest(_Model):
+    model: str | None = None
+    input: Prompt
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)  # must equal the model's width (no truncation)
+    normalize: bool = Field(True, description="toy extension: L2-normalize the vector")
+    user: str | None = None
+
+
+class TokenizeRequest(_Model):
+    model: str | None = None
+    # llama.cpp's name; vLLM's "prompt" is accepted too (when both are given, content wins)
+    content: str = Field(validation_alias=AliasChoices("content", "prompt"))
+    add_special: bool | None = Field(None, description="add BOS/EOS; null = as the model's file says")
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[TokenId] = Field(max_length=MAX_IDS)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error body (documented in /openapi.json)."""
+
+    error: ErrorDetail
+
+
+# -- errors
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def _is_tag(part: object) -> bool:
+    """Whether a loc entry is a union-member tag pydantic adds (``str``, ``list[constrained-int]``,
+    ``TextPart``), not a field name (those are lowercase identifiers) or an index."""
+    return isinstance(part, str) and ("[" in part or "-" in part or part in _TYPE_NAMES or part[:1].isupper())
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """400 for a pydantic/FastAPI validation error list. ``param`` is the dotted path of the error without
+    union-member tags (``prompt.list[constrained-int].0`` -> ``prompt.0``). For a union field, an error that
+    is not a type mismatch (the value had the member's type but broke a constraint) is the one reported;
+    when every member's type mismatched, the message says what the field must be."""
+    if not errors:
+        return APIError(400, "invalid request body")
+    if errors[0].get("type") == "json_invalid":
+        loc = errors[0].get("loc", ())
+        where = f" at character {loc[1]}" if len(loc) > 1 else ""
+        return APIError(400, f"the request body is not valid JSON (parse error{where})", code="invalid_json")
+    field = tuple(errors[0].get("loc", ())[:2])
+    same = [e for e in errors if tuple(e.get("loc", ())[:2]) == field]
+    e = next((x for x in same if not str(x.get("type", "")).endswith("_type")), errors[0])
+    loc = list(e.get("loc", ()))
+    loc = loc[1:] if loc[:1] == ["body"] else loc
+    path: list[str] = []
+    for part in loc:
+        if _is_tag(part):
+            hint = UNION_HINTS.get(path[-1] if path else "")
+            if hint and str(e.get("type", "")).endswith("_type"):
+                return APIError(400, f"{'.'.join(path)} must be {hint}", param=".".join(path))
+            continue
+        path.append(str(part))
+    if not path:
+        return APIError(400, "the request body must be a JSON object (Content-Type: application/json)")
+    param = ".".join(path)
+    return APIError(400, f"{param}: {e.get('msg', 'invalid value')}", param=param)
+
+
+_FIELD_IN_MESSAGE = re.compile(r"^([a-z_]+)(?:=| has )")
+_API_NAME = {"repeat_penalty": "repetition_penalty", "stop_tokens": "stop"}
+
+
+def param_of(message: str, default: str | None = None, logprobs_field: str = "logprobs") -> str | None:
+    """The request field a toy error message names (``"temperature=-1 must be >= 0"`` -> ``temperature``)."""
+    m = _FIELD_IN_MESSAGE.match(message)
+    if not m:
+        return default
+    name = _API_NAME.get(m.group(1), m.group(1))
+    return logprobs_field if name == "logprobs" else name
+
+
+def refuse_unsupported(req: _Sampling) -> None:
+    """400 for options toy cannot honour (see the module docstring)."""
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if isinstance(req, CompletionRequest):
+        if req.suffix:
+            raise APIError(400, "suffix (insertion) is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, "best_of must equal n (server-side ranking is not supported)", param="best_of")
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools:
+            raise APIError(400, "tools (function calling) are not supported", param="tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+
+
+def sampling_params(req: _Sampling, *, max_tokens: int, logprobs: int | None, index: int = 0) -> SamplingParams:
+    """toy's SamplingParams for choice ``index`` of ``req`` (validated: SamplingError names the field)."""
+    greedy = req.temperature == 0 or req.top_p == 0
+    seed = None if req.seed is None or req.seed < 0 else (req.seed + index) % 2**63
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    return SamplingParams(
+        temperature=0.0 if greedy else float(req.temperature),
+        top_k=req.top_k,
+        top_p=float(req.top_p) if req.top_p > 0 else 1.0,
+        min_p=float(req.min_p),
+        repeat_penalty=float(req.repetition_penalty),
+        frequency_penalty=float(req.frequency_penalty),
+        presence_penalty=float(req.presence_penalty),
+        penalty_last_n=req.penalty_last_n,
+        seed=seed,
+        max_tokens=max_tokens,
+        stop=stop,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+    ).validate()
+
+
+# -- response pieces
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """A token's text for logprobs: its UTF-8 bytes, or ``bytes:\\xNN`` when they are not whole characters."""
+    piece = tokenizer.token_to_piece(int(token_id))
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
+
+
+def finite(v: float | None) -> float | None:
+    """A logprob safe for JSON: -inf (a masked token) becomes -9999.0, as OpenAI reports it."""
+    return v if v is None or math.isfinite(v) else -9999.0
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    u: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if cached_tokens is not None:
+        u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return u
+
+
+class LegacyLogprobs:
+    """Builds the completions ``logprobs`` object token by token; ``text_offset`` is each token's start in
+    the choice text (an incremental decoder keeps it exact across multi-byte characters)."""
+
+    def __init__(self, tokenizer: Any, start: int = 0):
+        self.tok = tokenizer
+        self.decoder = tokenizer.incremental_decoder()
+        self.pos = start
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[dict[str, float] | None] = []
+        self.text_offset: list[int] = []
+
+    def add(self, token_id: int, logprob: float | None, top: Any) -> None:
+        text = token_text(self.tok, token_id)
+        self.tokens.append(text)
+        self.token_logprobs.append(finite(logprob))
+        if logprob is None:
+            self.top_logprobs.append(None)
+        else:
+            d = {}
+            for i, v in top or ():
+                d.setdefault(token_text(self.tok, i), finite(float(v)))
+            d.setdefault(text, finite(float(logprob)))
+            self.top_logprobs.append(d)
+        self.text_offset.append(self.pos)
+        self.pos += len(self.decoder.feed(int(token_id)))
+
+    def take(self, since: int = 0) -> dict[str, list]:
+        """The entries from index ``since`` on (a stream sends each token's once)."""
+        return {
+            "tokens": self.tokens[since:],
+            "token_logprobs": self.token_logprobs[since:],
+            "top_logprobs": self.top_logprobs[since:],
+            "text_offset": self.text_offset[since:],
+        }
+
+
+def chat_logprob(tokenizer: Any, token_id: int, logprob: float, top: Any) -> dict[str, Any]:
+    """One entry of the chat ``logprobs.content`` list."""
+
+    def one(i: int, v: float) -> dict[str, Any]:
+        return {
+            "token": token_text(tokenizer, i),
+            "logprob": finite(float(v)),
+            "bytes": list(tokenizer.token_to_piece(i)),
+        }
+
+    return {**one(token_id, logprob), "top_logprobs": [one(int(i), v) for i, v in top or ()]}
+
+
+__all__ = [
+    "APIError",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "DetokenizeRequest",
+    "EmbeddingRequest",
+    "ErrorResponse",
+    "LegacyLogprobs",
+    "StreamOptions",
+    "TextPart",
+    "TokenizeRequest",
+    "chat_logprob",
+    "param_of",
+    "refuse_unsupported",
+    "sampling_params",
+    "token_text",
+    "usage",
+    "validation_error",
+]

@@ -1,0 +1,141 @@
+"""Server settings: one frozen ``Settings`` value holds every knob of ``toy serve``.
+
+``create_app(settings)`` and the ``toy serve`` command both take a
+``Settings``; nothing else carries configuration (no module-level state, no
+environment variables read behind the caller's back except the ones
+``toy.load`` itself honours, such as ``TOY_DEVICE``).
+
+Invariants:
+
+- A ``Settings`` that exists is valid: ``__post_init__`` checks every range
+  and raises ``BadInputError`` (the CLI exits 2) naming the field, e.g.
+  ``parallel=0 must be >= 1``.
+- It is frozen and hashable, so the app can hold it without defensive copies.
+- ``config()`` is what the run bundle records: the API key is never written,
+  only whether one is set.
+
+Decisions:
+
+- ``host`` defaults to loopback (127.0.0.1): exposing a server is a choice
+  the user makes explicitly (``--host 0.0.0.0``).
+- ``ctx`` is the context of ONE sequence (prompt + max_tokens of one
+  request); None means the model's context, at most 4096 (``toy.load``'s
+  default). The KV cache holds ``parallel`` such sequences.
+- ``max_batch`` bounds the jobs one request may create (prompts x n, or
+  embedding inputs); the effective bound is ``min(max_batch, max_queue)``
+  since a request larger than the queue could never be admitted.
+- ``model_alias`` is the id ``/v1/models`` lists; requests may name the
+  model by the alias, the file name, the file stem or the path given.
+- LoRA adapters are not implemented in toy yet: a non-empty ``lora`` is
+  refused with a clear error instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from toy.errors import BadInputError
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+MAX_PARALLEL = 256
+
+
+def _int(name: str, value: Any, lo: int | None = None, hi: int | None = None, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadInputError(f"{name}={value!r} must be an integer" + (" or None" if optional else ""))
+    if lo is not None and value < lo:
+        raise BadInputError(f"{name}={value} must be >= {lo}")
+    if hi is not None and value > hi:
+        raise BadInputError(f"{name}={value} must be <= {hi}")
+
+
+def _str(name: str, value: Any, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or not value.strip():
+        raise BadInputError(f"{name}={value!r} must be a non-empty string" + (" or None" if optional else ""))
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything ``toy serve`` can be told. See the module docstring for the decisions."""
+
+    model: str  # a GGUF path or a registry name (e.g. smollm2-135m)
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT  # 0 = any free port (tests)
+    api_key: str | None = None  # when set, /v1/* and /tokenize, /detokenize need "Authorization: Bearer <key>"
+    ctx: int | None = None  # tokens per sequence; None = the model's context, at most 4096
+    parallel: int = 4  # cache slots = sequences decoded together
+    max_queue: int = 64  # requests waiting for a slot before 429
+    device: str | None = None  # cpu, cuda0, ...; None = TOY_DEVICE, else auto
+    threads: int | None = None  # CPU threads; None = physical cores
+    prefill_chunk: int = 128  # most prompt tokens prefilled per step (bounds the stall of running streams)
+    max_body_bytes: int = 1_000_000  # larger request bodies get 413
+    max_batch: int = 64  # most jobs (prompts x n, embedding inputs) per request
+    drain_timeout: float = 30.0  # seconds shutdown waits for in-flight requests
+    runs_dir: str | None = None  # run bundles go to <runs_dir>/serve-...; None = $TOY_RUNS_DIR or ./runs
+    model_alias: str | None = None  # the id in /v1/models; None = the file stem
+    lora: tuple[str, ...] = ()  # LoRA adapters: not implemented yet (refused)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, Path):
+            object.__setattr__(self, "model", str(self.model))
+        if isinstance(self.lora, (list, str)):
+            object.__setattr__(self, "lora", (self.lora,) if isinstance(self.lora, str) else tuple(self.lora))
+        _str("model", self.model)
+        _str("host", self.host)
+        _int("port", self.port, 0, 65535)
+        if self.api_key is not None:
+            _str("api_key", self.api_key)
+            if any(c.isspace() for c in self.api_key):
+                raise BadInputError("api_key must not contain whitespace", hint="a key is sent as 'Bearer <key>'")
+        _int("ctx", self.ctx, 16, optional=True)
+        _int("parallel", self.parallel, 1, MAX_PARALLEL)
+        _int("max_queue", self.max_queue, 1, 1_000_000)
+        _str("device", self.device, optional=True)
+        _int("threads", self.threads, 1, optional=True)
+        _int("prefill_chunk", self.prefill_chunk, 1)
+        _int("max_body_bytes", self.max_body_bytes, 1024)
+        _int("max_batch", self.max_batch, 1)
+        dt = self.drain_timeout
+        if isinstance(dt, bool) or not isinstance(dt, (int, float)) or not math.isfinite(dt) or dt < 0:
+            raise BadInputError(f"drain_timeout={dt!r} must be a number of seconds >= 0")
+        _str("runs_dir", self.runs_dir, optional=True)
+        _str("model_alias", self.model_alias, optional=True)
+        if self.lora:
+            raise BadInputError(
+                f"LoRA adapters are not implemented yet in toy (got lora={list(self.lora)!r})",
+                hint="serve a model with the adapter merged into its weights instead",
+            )
+
+    @property
+    def alias(self) -> str:
+        """The model id clients see in /v1/models and in every response."""
+        return self.model_alias or Path(self.model).stem
+
+    def model_names(self) -> frozenset[str]:
+        """Names a request's ``model`` may use: the alias, the path as given, the file name and its stem."""
+        p = Path(self.model)
+        return frozenset({self.alias, self.model, p.name, p.stem})
+
+    @property
+    def jobs_per_request(self) -> int:
+        """The most jobs one request may create (see ``max_batch`` in the module docstring)."""
+        return min(self.max_batch, self.max_queue)
+
+    def config(self) -> dict[str, Any]:
+        """A JSON-ready copy for the run bundle, without the API key."""
+        d = asdict(self)
+        d["api_key"] = "<set>" if self.api_key else None
+        d["lora"] = list(self.lora)
+        d["alias"] = self.alias
+        return d
+
+
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "Settings"]

@@ -1,0 +1,364 @@
+"""The engine worker: one thread owns the model and runs continuous batching.
+
+Requests (``Job``) are queued by ``submit`` from any thread; the worker
+loop, between steps:
+
+1. admits queued jobs into free cache slots (the slot whose cached tokens
+   share the longest prefix with the prompt wins: that prefix is not
+   prefilled again);
+2. runs ONE prefill chunk (at most ``prefill_chunk`` tokens) of one job in
+   prefill, round-robin, so a long prompt never stalls the others for more
+   than a chunk;
+3. runs ONE decode step for every job that is generating (one graph).
+
+Exactness: the engine runs with ``exact_batching`` (every product
+row-invariant, per-sequence attention), so a token's K/V and logits depend
+only on its own context. A request's greedy output is therefore identical
+whatever else is in the batch, however its prompt was chunked, and whether
+its prefix came from the cache.
+
+Each job reports through ``emit(event)`` (called on the worker thread; the
+app forwards to asyncio). Events: ``{"type": "prompt_logprobs", "items"}``,
+``{"type": "token", "token", "text", "logprob"}`` (``text`` may be ""
+while UTF-8 or a possible stop string is held back), ``{"type":
+"embedding", "vector"}``, ``{"type": "done", "finish_reason", "usage",
+"timings"}`` and ``{"type": "error", "message"}``. ``done`` or ``error`` is
+always the last event. A cancelled job (client gone) frees its slot at the
+next step and ends with finish_reason "cancelled".
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from toy.engine.sampling import Sampler, SamplingParams, log_softmax, top_logprobs
+from toy.engine.stop import StopMatcher
+from toy.errors import BadInputError, ToyError
+
+log = logging.getLogger("toy_serve")
+
+
+class QueueFullError(ToyError):
+    """The queue is full: answer 429 with Retry-After."""
+
+
+@dataclass
+class Job:
+    id: str
+    ids: list[int]
+    params: SamplingParams
+    emit: Callable[[dict], None]
+    kind: str = "generate"  # "generate" | "embed"
+    prompt_logprobs: int | None = None  # echo scoring: top-n alternatives per prompt token
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    # worker state
+    slot: int = -1
+    pos: int = 0  # prompt tokens already in the cache
+    cached: int = 0
+    phase: str = "queued"
+    out: list[int] = field(default_factory=list)
+    pending: int | None = None
+    hidden: list[np.ndarray] = field(default_factory=list)
+    prompt_lp: list[dict | None] = field(default_factory=list)
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_start: float = 0.0
+    t_first: float = 0.0
+    t_last: float = 0.0
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class EngineWorker:
+    """Continuous batching over ``model`` (a ``toy.Model`` loaded with
+    ``n_slot`` slots and ``exact_batching``). ``metrics`` (optional) gets
+    observations (see ``toy_serve.metrics.Metrics``)."""
+
+    def __init__(self, model, max_queue: int = 64, prefill_chunk: int = 128, metrics=None):
+        self.model, self.engine = model, model.engine
+        self.n_slot = self.engine.n_slot
+        self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
+        self.metrics = metrics
+        self._queue: deque[Job] = deque()
+        self._slots: list[Job | None] = [None] * self.n_slot
+        self._cv = threading.Condition()
+        self._stop = False
+        self._rr = 0
+        self._thread = threading.Thread(target=self._run, name="toy-engine", daemon=True)
+        self.steps = 0
+
+    # -- control (any thread)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop after the current step; jobs still queued or running end with an error event."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+
+    def busy(self) -> int:
+        with self._cv:
+            return len(self._queue) + sum(j is not None for j in self._slots)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def active(self) -> int:
+        return sum(j is not None for j in self._slots)
+
+    def submit(self, job: Job) -> Job:
+        """Queue a job; raises BadInputError (prompt/budget) or QueueFullError."""
+        if not job.ids:
+            raise BadInputError("the prompt is empty (no tokens)")
+        budget = len(job.ids) + (job.params.max_tokens if job.kind == "generate" else 0)
+        if budget > self.engine.n_ctx:
+            from toy.engine.llm import ContextOverflowError
+
+            raise ContextOverflowError(
+                f"this request needs {budget} tokens (prompt {len(job.ids)}"
+                + (f" + max_tokens {job.params.max_tokens}" if job.kind == "generate" else "")
+                + f"), more than the context of {self.engine.n_ctx} tokens per sequence",
+                hint="shorten the prompt or lower max_tokens",
+            )
+        with self._cv:
+            if self._stop:
+                raise QueueFullError("the server is shutting down")
+            gone = [j for j in self._queue if j.cancelled.is_set()]  # clients that left do not hold places
+            for j in gone:
+                self._queue.remove(j)
+                self._finish_queued(j)
+            if len(self._queue) >= self.max_queue:
+                raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting)")
+            self._queue.append(job)
+            self._cv.notify_all()
+        self._gauges()
+        return job
+
+    # -- the loop (worker thread)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._queue and not any(self._slots):
+                    self._cv.wait(0.5)
+                if self._stop:
+                    break
+            try:
+                self._step()
+            except Exception as e:  # an engine failure must not kill the worker: fail the jobs in flight
+                log.exception("engine step failed")
+                for i, j in enumerate(self._slots):
+                    if j is not None:
+                        self._fail(j, f"internal error: {type(e).__name__}: {e}")
+                        self._slots[i] = None
+                        self.engine.cache.clear(i)
+        with self._cv:
+            left = list(self._queue) + [j for j in self._slots if j is not None]
+            self._queue.clear()
+            self._slots = [None] * self.n_slot
+        for j in left:
+            self._fail(j, "the server is shutting down")
+
+    def _step(self) -> None:
+        self._admit()
+        for j in list(self._slots):
+            if j is not None and j.cancelled.is_set():
+                self._finish(j, "cancelled")
+        jobs = [j for j in self._slots if j is not None]
+        pre = [j for j in jobs if j.phase in ("prefill", "embed")]
+        if pre:
+            self._rr = (self._rr + 1) % len(pre)
+            self._prefill_chunk(pre[self._rr])
+        dec = [j for j in self._slots if j is not None and j.phase == "decode"]
+        if dec:
+            out = self.engine.decode([j.slot for j in dec], [j.pending for j in dec])
+            for j, row in zip(dec, out):
+                self._after_forward(j, row)
+        self.steps += 1
+        self._gauges()
+
+    def _admit(self) -> None:
+        with self._cv:
+            while self._queue and None in self._slots:
+                job = self._queue.popleft()
+                if job.cancelled.is_set():
+                    self._finish_queued(job)
+                    continue
+                try:
+                    self._place(job)
+                except Exception as e:  # e.g. params the Sampler refuses: this job fails, the others go on
+                    log.exception("could not start %s", job.id)
+                    if 0 <= job.slot < self.n_slot and self._slots[job.slot] is job:
+                        self._slots[job.slot] = None
+                    self._fail(job, f"{type(e).__name__}: {e}")
+
+    def _place(self, job: Job) -> None:
+        """Put a queued job into the free slot that shares the longest prefix."""
+        free = [i for i, j in enumerate(self._slots) if j is None]
+        cache = self.engine.cache
+        if job.prompt_logprobs is None and job.kind == "generate":
+            best = max(free, key=lambda s: (cache.common_prefix(s, job.ids), -s))
+            keep = min(cache.common_prefix(best, job.ids), len(job.ids) - 1)
+        else:  # scoring and embeddings need every prompt position computed: nothing reused
+            best, keep = free[0], 0
+        cache.truncate(best, keep)
+        job.slot, job.pos, job.cached = best, keep, keep
+        job.phase = "embed" if job.kind == "embed" else "prefill"
+        job.t_start = time.perf_counter()
+        if job.kind == "generate":
+            job.sampler = Sampler(job.params, self.model.cfg.n_vocab)
+            job.stops = job.params.stop_token_ids(self.model.tokenizer.eog_ids)
+            job.matcher = StopMatcher(job.params.stop)
+            job.decoder = self.model.tokenizer.incremental_decoder()
+            job.history = list(job.ids)
+        self._slots[best] = job
+        if self.metrics:
+            self.metrics.queue_wait(job.t_start - job.t_submit)
+
+    def _prefill_chunk(self, j: Job) -> None:
+        a = j.pos
+        chunk = j.ids[a : a + self.prefill_chunk]
+        last = a + len(chunk) == len(j.ids)
+        if j.phase == "embed":
+            j.hidden.append(self.engine.prefill(j.slot, chunk, all_logits=True, hidden=True))
+            j.pos += len(chunk)
+            if last:
+                h = np.concatenate(j.hidden).astype(np.float64).mean(axis=0)
+                self._emit(j, {"type": "embedding", "vector": h})
+                self._finish(j, "stop")
+            return
+        if j.prompt_logprobs is not None:
+            rows = self.engine.prefill(j.slot, chunk, all_logits=True)
+            self._score(j, rows, a)
+            logits = rows[-1]
+        else:
+            logits = self.engine.prefill(j.slot, chunk)
+        j.pos += len(chunk)
+        if last:
+            if j.prompt_logprobs is not None:
+                self._emit(j, {"type": "prompt_logprobs", "items": j.prompt_lp})
+            j.phase = "decode"
+            self._after_forward(j, logits)
+
+    def _score(self, j: Job, rows: np.ndarray, start: int) -> None:
+        """Logprob of each prompt token given its prefix (row i predicts token i+1)."""
+        if start == 0:
+            j.prompt_lp.append(None)  # the first token has no prefix
+        n = j.prompt_logprobs or 0
+        for r in range(len(rows)):
+            nxt = start + r + 1
+            if nxt >= len(j.ids):
+                break
+            lp = log_softmax(rows[r])
+            tok = j.ids[nxt]
+            item = {"token": tok, "logprob": float(lp[tok])}
+            if n:
+                ids, vals = top_logprobs(rows[r], n)
+                item["top"] = [(int(i), float(v)) for i, v in zip(ids, vals)]
+            j.prompt_lp.append(item)
+
+    def _after_forward(self, j: Job, logits: np.ndarray) -> None:
+        """Sample the next token from ``logits`` and report it (or finish)."""
+        p = j.params
+        if len(j.out) >= p.max_tokens:
+            self._finish(j, "length")
+            return
+        tok = j.sampler.sample(logits, j.history)
+        now = time.perf_counter()
+        if not j.out:
+            j.t_first = now
+            if self.metrics:
+                self.metrics.ttft(now - j.t_submit)
+        elif self.metrics:
+            self.metrics.itl(now - j.t_last)
+        j.t_last = now
+        if tok in j.stops:
+            self._finish(j, "stop")
+            return
+        lp = j.sampler.token_logprobs(logits, tok)
+        j.out.append(tok)
+        j.history.append(tok)
+        text, hit = j.matcher.push(j.decoder.feed(tok))
+        self._emit(j, {"type": "token", "token": tok, "text": text, "logprob": lp})
+        if hit:
+            self._finish(j, "stop", flush=False)
+        elif len(j.out) >= p.max_tokens:
+            self._finish(j, "length")
+        else:
+            j.pending = tok
+
+    # -- endings
+
+    def _usage(self, j: Job) -> dict[str, int]:
+        return {"prompt_tokens": len(j.ids), "completion_tokens": len(j.out), "cached_tokens": j.cached}
+
+    def _finish(self, j: Job, reason: str, flush: bool = True) -> None:
+        if j.kind == "generate" and flush and j.phase != "queued":
+            tail, hit = j.matcher.push(j.decoder.flush())
+            if not hit:
+                tail += j.matcher.flush()
+            elif reason != "cancelled":
+                reason = "stop"
+            if tail:
+                self._emit(j, {"type": "token", "token": None, "text": tail, "logprob": None})
+        now = time.perf_counter()
+        timings = {
+            "queue_s": (j.t_start or now) - j.t_submit,
+            "ttft_s": (j.t_first - j.t_submit) if j.t_first else None,
+            "total_s": now - j.t_submit,
+        }
+        if j.t_first and len(j.out) > 1:
+            timings["decode_tok_s"] = (len(j.out) - 1) / max(now - j.t_first, 1e-9)
+        self._emit(j, {"type": "done", "finish_reason": reason, "usage": self._usage(j), "timings": timings})
+        if 0 <= j.slot < self.n_slot and self._slots[j.slot] is j:
+            self._slots[j.slot] = None
+        j.phase = "done"
+        if self.metrics:
+            self.metrics.finished(j, reason, now - j.t_submit)
+
+    def _finish_queued(self, j: Job) -> None:
+        """A job cancelled before it got a slot."""
+        now = time.perf_counter()
+        timings = {"queue_s": now - j.t_submit, "ttft_s": None, "total_s": now - j.t_submit}
+        self._emit(j, {"type": "done", "finish_reason": "cancelled", "usage": self._usage(j), "timings": timings})
+        j.phase = "done"
+        if self.metrics:
+            self.metrics.finished(j, "cancelled", now - j.t_submit)
+
+    def _fail(self, j: Job, message: str) -> None:
+        self._emit(j, {"type": "error", "message": message})
+        j.phase = "done"
+        if self.metrics:
+            self.metrics.finished(j, "error", time.perf_counter() - j.t_submit)
+
+    def _emit(self, j: Job, event: dict[str, Any]) -> None:
+        try:
+            j.emit(event)
+        except Exception:  # a sink that fails (loop closed) must not stop the worker
+            log.debug("dropping an event for %s", j.id, exc_info=True)
+            j.cancelled.set()
+
+    def _gauges(self) -> None:
+        if self.metrics:
+            cache = self.engine.cache
+            self.metrics.gauges(
+                queue=len(self._queue),
+                active=self.active,
+                kv_cells=sum(cache.length(s) for s in range(self.n_slot)),
+            )
+
+
+__all__ = ["EngineWorker", "Job", "QueueFullError"]
