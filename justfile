@@ -44,8 +44,16 @@ coverage: setup
 coverage-check: setup
     {{py}} tools/ggml_coverage.py --check
 
-# The gate: lint, tests, docs build and the coverage check.
-gate: lint test docs coverage-check
+# Regenerate docs/reference/serve-api.md (the `toy serve` HTTP API, from the app's OpenAPI schema).
+api-docs: setup
+    {{py}} tools/serve_api_docs.py
+
+# Fail if the committed server API page is stale.
+api-docs-check: setup
+    {{py}} tools/serve_api_docs.py --check
+
+# The gate: lint, tests, docs build, the coverage check and the server API page check.
+gate: lint test docs coverage-check api-docs-check
 
 # Run the benchmarks (JSON lines on stdout; figures are ratios against a peer in the same run).
 bench *args: setup

@@ -89,7 +89,7 @@ def serve(
         int | None, typer.Option("--ctx", help="Context tokens per sequence (default: the model's, at most 4096).")
     ] = None,
     parallel: Annotated[int, typer.Option("--parallel", help="Sequences decoded together (cache slots).")] = 4,
-    max_queue: Annotated[int, typer.Option("--max-queue", help="Requests waiting for a slot before 429.")] = 64,
+    max_queue: Annotated[int, typer.Option("--max-queue", help="Sequences waiting for a slot before 429 (a request with n=k takes k places).")] = 64,
     device: Annotated[
         str | None, typer.Option("--device", help="cpu, cuda0, ... (default: TOY_DEVICE, else auto).")
     ] = None,

@@ -61,7 +61,7 @@ class Metrics:
         self.sequences = Counter(
             "toy_sequences_finished", "Sequences (jobs) finished, by finish reason.", ["finish_reason"], registry=r
         )
-        self.queue_depth = Gauge("toy_queue_depth", "Requests waiting for a cache slot.", registry=r)
+        self.queue_depth = Gauge("toy_queue_depth", "Sequences waiting for a cache slot.", registry=r)
         self.active = Gauge("toy_active_sequences", "Sequences holding a cache slot.", registry=r)
         self.kv_cells = Gauge("toy_kv_cells_used", "KV cache cells in use over all slots.", registry=r)
         self.time_to_first_token = Histogram(

@@ -72,7 +72,7 @@ class Settings:
     api_key: str | None = None  # when set, /v1/* and /tokenize, /detokenize need "Authorization: Bearer <key>"
     ctx: int | None = None  # tokens per sequence; None = the model's context, at most 4096
     parallel: int = 4  # cache slots = sequences decoded together
-    max_queue: int = 64  # requests waiting for a slot before 429
+    max_queue: int = 64  # sequences waiting for a slot before 429 (a request with n=k takes k)
     device: str | None = None  # cpu, cuda0, ...; None = TOY_DEVICE, else auto
     threads: int | None = None  # CPU threads; None = physical cores
     prefill_chunk: int = 128  # most prompt tokens prefilled per step (bounds the stall of running streams)

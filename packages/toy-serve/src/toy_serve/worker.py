@@ -20,7 +20,8 @@ its prefix came from the cache.
 Each job reports through ``emit(event)`` (called on the worker thread; the
 app forwards to asyncio). Events: ``{"type": "prompt_logprobs", "items"}``,
 ``{"type": "token", "token", "text", "logprob"}`` (``text`` may be ""
-while UTF-8 or a possible stop string is held back), ``{"type":
+while UTF-8 or a possible stop string is held back; a stop token is
+reported with ``"stop": True`` and empty text, and counted in the usage), ``{"type":
 "embedding", "vector"}``, ``{"type": "done", "finish_reason", "usage",
 "timings"}`` and ``{"type": "error", "message"}``. ``done`` or ``error`` is
 always the last event. A cancelled job (client gone) frees its slot at the
@@ -285,10 +286,14 @@ class EngineWorker:
         elif self.metrics:
             self.metrics.itl(now - j.t_last)
         j.t_last = now
+        lp = j.sampler.token_logprobs(logits, tok)
         if tok in j.stops:
+            # reported (empty text) and counted, as OpenAI-style servers do: a scorer that sends
+            # echo + logprobs + max_tokens=1 drops the last logprob entry as "the generated token"
+            j.out.append(tok)
+            self._emit(j, {"type": "token", "token": tok, "text": "", "logprob": lp, "stop": True})
             self._finish(j, "stop")
             return
-        lp = j.sampler.token_logprobs(logits, tok)
         j.out.append(tok)
         j.history.append(tok)
         text, hit = j.matcher.push(j.decoder.feed(tok))
