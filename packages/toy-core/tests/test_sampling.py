@@ -465,3 +465,14 @@ def test_token_logprobs_come_from_raw_logits():
     assert zero.top == () and zero.logprob == pytest.approx(math.log(0.05), abs=1e-6)
     with pytest.raises(ToyError, match="token=4"):
         s.token_logprobs(logits, 4)
+
+
+def test_extreme_repeat_penalty_stays_finite():
+    """A repetition penalty of 1e-300 boosts seen positive logits enormously;
+    they must stay finite (inf - inf would give NaN and a wrong draw)."""
+    logits = np.array([1.0, 2.0, -1.0, 0.5], np.float32)
+    out = apply_penalties(logits, np.array([1, 3]), 1e-300, 0.0, 0.0, 64)
+    assert np.all(np.isfinite(out))
+    assert min(out[1], out[3]) > max(out[0], out[2])  # the seen positive logits now lead (both may hit the cap)
+    s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1e-300, seed=1), 4)
+    assert s.sample(logits, [1, 3]) in (1, 3)

@@ -89,7 +89,12 @@ def serve(
         int | None, typer.Option("--ctx", help="Context tokens per sequence (default: the model's, at most 4096).")
     ] = None,
     parallel: Annotated[int, typer.Option("--parallel", help="Sequences decoded together (cache slots).")] = 4,
-    max_queue: Annotated[int, typer.Option("--max-queue", help="Sequences waiting for a slot before 429 (a request with n=k takes k places).")] = 64,
+    max_queue: Annotated[
+        int,
+        typer.Option(
+            "--max-queue", help="Sequences waiting for a slot before 429 (a request with n=k takes k places)."
+        ),
+    ] = 64,
     device: Annotated[
         str | None, typer.Option("--device", help="cpu, cuda0, ... (default: TOY_DEVICE, else auto).")
     ] = None,
@@ -152,11 +157,20 @@ def serve(
     logger.setLevel(logging.DEBUG if level == "trace" else level.upper())
 
     app = create_app(settings)
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    log_config = copy.deepcopy(LOGGING_CONFIG)  # uvicorn's own format, but the access log goes to stderr too
+    for handler in log_config.get("handlers", {}).values():
+        if handler.get("stream") == "ext://sys.stdout":
+            handler["stream"] = "ext://sys.stderr"
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         log_level=level,
+        log_config=log_config,
         timeout_graceful_shutdown=settings.drain_timeout or 0.001,  # 0 would mean "wait forever" to uvicorn
         lifespan="on",
     )

@@ -99,7 +99,7 @@ class _Sampling(_Model):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0, le=10, description="toy extension: llama.cpp repeat penalty")
     penalty_last_n: int = Field(64, ge=-1, description="toy extension: penalty window (-1 = whole context)")
-    seed: int | None = Field(None, ge=-1, lt=2**63)
+    seed: int | None = Field(None, ge=-1)  # reduced modulo 2**63 (an exact upper bound would be published as a float)
     stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False

@@ -241,7 +241,9 @@ def apply_penalties(
     if repeat_penalty != 1.0:
         v = np.where(v > 0, v / repeat_penalty, v * repeat_penalty)
     v -= counts[ids] * frequency_penalty + presence_penalty
-    x[ids] = v
+    # an extreme penalty (say 1e-300) must not push a logit to +-inf: inf - inf is NaN downstream
+    lim = float(np.finfo(np.float32).max) / 4
+    x[ids] = np.where(np.isneginf(x[ids]), -np.inf, np.clip(v, -lim, lim))  # a filtered (-inf) entry stays out
     return x
 
 

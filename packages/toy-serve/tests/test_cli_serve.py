@@ -1,0 +1,155 @@
+"""``toy serve`` as a real process: graceful shutdown on SIGTERM.
+
+Reference: cli.py's docstring ("SIGTERM: uvicorn stops accepting
+connections and waits up to --drain-timeout seconds for in-flight requests,
+then the app's shutdown drains the engine and writes run_end; the exit code
+is 0") and app.py's (each model request logs one ``request`` event in the
+run bundle). The stream in flight when SIGTERM arrives must finish normally:
+its tokens all arrive, the last chunk has a finish_reason and ``data:
+[DONE]`` ends it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+DRAIN_S = 30
+MAX_TOKENS = 48
+
+
+def _toy() -> str:
+    exe = Path(sys.executable).parent / "toy"
+    assert exe.is_file(), f"the toy command is not installed next to {sys.executable}"
+    return str(exe)
+
+
+class Served:
+    """``toy serve`` on a free port (``--port 0``; the port is read from uvicorn's log on stderr); both
+    output streams are drained by threads into ``out`` and ``err``."""
+
+    def __init__(self, model: Path, runs: Path, *extra: str):
+        cmd = [_toy(), "serve", str(model), "--port", "0", "--threads", "1", "--ctx", "512"]
+        cmd += ["--runs-dir", str(runs), "--drain-timeout", str(DRAIN_S), *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self.port: int | None = None
+        self._got_port = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True),
+            threading.Thread(target=self._read, args=(self.proc.stderr, self.err), daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _read(self, stream, into: list[str]) -> None:
+        for line in stream:
+            into.append(line)
+            m = re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line)
+            if m and self.port is None:
+                self.port = int(m.group(1))
+                self._got_port.set()
+
+    def wait_ready(self, timeout: float = 60) -> str:
+        assert self._got_port.wait(timeout), "".join(self.err)
+        url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + timeout
+        while True:
+            r = httpx.get(url + "/health", timeout=10)
+            if r.status_code == 200:
+                assert r.json() == {"status": "ok"}
+                return url
+            assert r.status_code == 503 and r.json()["status"] == "loading", r.text
+            assert time.monotonic() < deadline, "the model did not load"
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        for t in self._threads:
+            t.join(10)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
+def test_sigterm_drains_the_stream_and_exits_0(smollm2_path, tmp_path):
+    runs = tmp_path / "runs"
+    served = Served(smollm2_path, runs)
+    try:
+        url = served.wait_ready()
+        with httpx.Client(base_url=url, timeout=60) as h:
+            body = {"prompt": "Once upon a time", "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+            body.update(ignore_eos=True, stream_options={"include_usage": True})
+            events, n_before = [], 0
+            with h.stream("POST", "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                lines = resp.iter_lines()
+                for line in lines:
+                    if line:
+                        events.append(line)
+                        if len(events) == 3:
+                            break
+                n_before = len(events)
+                served.proc.send_signal(signal.SIGTERM)
+                t_term = time.monotonic()
+                for line in lines:
+                    if line:
+                        events.append(line)
+            # no new connections while draining / after the end
+            with pytest.raises(httpx.TransportError):
+                httpx.get(url + "/health", timeout=5)
+        rc = served.proc.wait(timeout=DRAIN_S + 15)
+        elapsed = time.monotonic() - t_term
+    finally:
+        served.close()
+    assert rc == 0, "".join(served.err)
+    assert elapsed < DRAIN_S, elapsed
+
+    # the stream was cut by nothing: all its tokens, a finish_reason, the usage chunk, [DONE]
+    assert n_before == 3 and len(events) > n_before
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+    assert all("error" not in c for c in chunks), chunks
+    text_chunks = [c for c in chunks if c["choices"]]
+    assert text_chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+
+    # the run bundle
+    bundles = sorted(runs.glob("serve-*"))
+    assert len(bundles) == 1, bundles
+    lines = (bundles[0] / "events.jsonl").read_text().splitlines()
+    recs = [json.loads(x) for x in lines]
+    assert recs[0]["kind"] == "run_start"
+    assert recs[-1]["kind"] == "run_end" and recs[-1]["reason"] == "completed"
+    reqs = [r for r in recs if r["kind"] == "request"]
+    assert len(reqs) == 1
+    assert reqs[0]["endpoint"] == "/v1/completions" and reqs[0]["status"] == 200
+    assert reqs[0]["completion_tokens"] == MAX_TOKENS and reqs[0]["finish_reason"] == "length"
+    assert recs[-1].get("abandoned", 0) == 0
+    config = json.loads((bundles[0] / "config.json").read_text())
+    assert config["ctx"] == 512 and config["threads"] == 1
+
+
+def test_stdout_stays_empty(smollm2_path, tmp_path):
+    served = Served(smollm2_path, tmp_path / "runs")
+    try:
+        url = served.wait_ready()
+        assert httpx.get(url + "/v1/models", timeout=10).status_code == 200
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(timeout=DRAIN_S + 15) == 0
+    finally:
+        served.close()
+    assert any("Uvicorn running on" in line for line in served.err)  # the logs do go somewhere
+    assert "".join(served.out) == ""
