@@ -91,3 +91,11 @@ def test_published_bounds_are_the_real_ones(openapi, name, field):
     got = sorted((p, k, Fraction(str(v))) for p, k, v in _numeric_bounds(published))
     want = sorted((p, k, Fraction(str(v))) for p, k, v in _numeric_bounds(real))
     assert got == want
+
+
+def test_cli_defaults_equal_settings_defaults():
+    """cli.py repeats the host/port defaults so `toy --help` needn't import toy."""
+    from toy_serve import cli
+    from toy_serve.settings import DEFAULT_HOST, DEFAULT_PORT
+
+    assert (cli.DEFAULT_HOST, cli.DEFAULT_PORT) == (DEFAULT_HOST, DEFAULT_PORT)

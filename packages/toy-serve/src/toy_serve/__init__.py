@@ -7,18 +7,17 @@ it under uvicorn.
 Decision: ``create_app`` is imported lazily (module ``__getattr__``), so
 ``import toy_serve.cli`` (which the ``toy`` command does for every
 invocation, to register ``serve``) does not import FastAPI, uvicorn or the
-engine; ``toy --help`` stays fast. ``Settings`` is light and imported
-eagerly.
+engine, and ``Settings`` is imported lazily too (it pulls in ``toy``):
+``toy --help`` imports nothing of toy's library.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from toy_serve.settings import Settings
-
 if TYPE_CHECKING:
     from toy_serve.app import create_app
+    from toy_serve.settings import Settings
 
 __version__ = "0.1.0"
 
@@ -30,4 +29,8 @@ def __getattr__(name: str):
         from toy_serve.app import create_app
 
         return create_app
+    if name == "Settings":
+        from toy_serve.settings import Settings
+
+        return Settings
     raise AttributeError(f"module 'toy_serve' has no attribute {name!r}")

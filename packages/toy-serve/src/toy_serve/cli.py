@@ -33,7 +33,8 @@ from typing import Annotated
 
 import typer
 
-from toy_serve.settings import DEFAULT_HOST, DEFAULT_PORT
+# kept equal to toy_serve.settings (importing it here would import toy for every `toy` command)
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 
 
 def _cli_error(message: str, hint: str | None = None, code: int = 2) -> Exception:
