@@ -37,7 +37,6 @@ Needs toy-serve installed (run it with ``.venv/bin/python``). Usage:
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import re
 import sys
@@ -45,6 +44,9 @@ import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script, or loaded by path in tests
+from _pages import write_or_check  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = Path("docs/reference/serve-api.md")
@@ -642,28 +644,7 @@ def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
     except ApiDocsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    page = root / PAGE
-    old = page.read_text(encoding="utf-8") if page.is_file() else None
-    if args.check:
-        if old != text:
-            print(f"error: {PAGE} is stale: run `just api-docs`", file=sys.stderr)
-            diff = list(
-                difflib.unified_diff((old or "").splitlines(), text.splitlines(), "committed", "generated", lineterm="")
-            )
-            for line in diff[:40]:
-                print(line, file=sys.stderr)
-            if len(diff) > 40:
-                print(f"... ({len(diff) - 40} more diff lines)", file=sys.stderr)
-            return 1
-        print(f"serve_api_docs: {PAGE} is up to date", file=sys.stderr)
-        return 0
-    if old != text:
-        page.parent.mkdir(parents=True, exist_ok=True)
-        page.write_text(text, encoding="utf-8")
-        print(f"serve_api_docs: wrote {PAGE}", file=sys.stderr)
-    else:
-        print(f"serve_api_docs: {PAGE} is up to date", file=sys.stderr)
-    return 0
+    return write_or_check(root, PAGE, text, args.check, "serve_api_docs", "api-docs")
 
 
 if __name__ == "__main__":
