@@ -151,7 +151,6 @@ class Model:
         prefill of slot 0: what generation would compute for that prompt)."""
         ids = self.prompt_ids(list(ids))
         self.engine.cache.clear(0)
-        self.engine._room(0, len(ids))
         try:
             return self.engine.prefill(0, ids, all_logits=True)
         finally:

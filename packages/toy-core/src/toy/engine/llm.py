@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -74,7 +74,6 @@ class EngineStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     computes: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class LLMEngine:
