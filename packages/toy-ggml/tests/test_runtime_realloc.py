@@ -80,3 +80,34 @@ def test_runtime_poll_range():
             tg.Runtime("cpu", threads=2, poll=bad)
     for ok in (0, 50):
         tg.Runtime("cpu", threads=2, poll=ok).close()
+
+
+def test_backward_graph_survives_another_graph_in_between():
+    """The loss-gradient seed is a leaf that build_backward creates; the
+    scheduler gives it memory like any op result. After another graph was
+    allocated on the same Runtime, that memory belongs to someone else: the
+    Runtime must forget the seed's old address too (it once did not, and the
+    second backward pass read garbage as d loss / d loss)."""
+    rt = tg.Runtime("cpu", threads=1)
+    cin = tg.Context(max_tensors=8)
+    x = cin.tensor(tg.GGMLType.F32, (64,)).set_param()
+    cin.allocate(rt)
+    xs = np.arange(64, dtype=np.float32)
+    x.set(xs)
+    ops = tg.Context(max_tensors=256)
+    loss = ops.sum(ops.sqr(ops.scale(x, 2.0))).set_loss().set_output()
+    g = tg.Graph(ops, size=1024, grads=True).build_forward(loss).build_backward()
+    gx = g.grad(x).set_output()
+    seed = g.grad(loss).set_input()
+
+    def grad():
+        rt.allocate(g)
+        seed.set(np.ones(1, np.float32))
+        rt.compute(g)
+        return gx.numpy().copy()
+
+    np.testing.assert_array_equal(grad(), 8 * xs)  # d/dx sum((2x)^2) = 8x
+    ops2 = tg.Context(max_tensors=64)
+    other = tg.Graph(ops2, size=64).build_forward(ops2.exp(ops2.scale(x, 1e-3)).set_output())
+    rt.compute(other)
+    np.testing.assert_array_equal(grad(), 8 * xs)

@@ -229,9 +229,18 @@ cdef class Graph:
         ggml_build_backward_expand(self.ctx.ptr, self.ptr, NULL)
         self._has_backward = True
         self._n_nodes = ggml_graph_n_nodes(self.ptr)
-        # backward tensors are new: later build_forward must not count them twice
+        # backward tensors are new: later build_forward must not count them
+        # twice, and the Runtime must know every tensor the scheduler gives
+        # memory to, the new leafs included (the loss gradient seed): one it
+        # did not know would keep a stale pointer into scheduler memory after
+        # another graph was allocated, and the next compute would read or
+        # write whatever now lives there
         for i in range(self._n_nodes):
-            self._seen.add(<uintptr_t>ggml_graph_node(self.ptr, i))
+            node = ggml_graph_node(self.ptr, i)
+            self._seen.add(<uintptr_t>node)
+            for j in range(GGML_MAX_SRC):
+                if node.src[j] != NULL:
+                    self._seen.add(<uintptr_t>node.src[j])
         self.version += 1
         return self
 
