@@ -52,6 +52,7 @@ _HELPERS = {
     "toy_test_models": "packages/toy-core/tests/model_path.py",
     "gguf_bytes": "packages/toy-core/tests/gguf_bytes.py",
     "tiny_llama": "packages/toy-core/tests/tiny_llama.py",
+    "torch_llama": "packages/toy-core/tests/torch_llama.py",
 }
 
 
