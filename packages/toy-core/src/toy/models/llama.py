@@ -328,6 +328,76 @@ def forward_logits(ctx, cfg: LlamaConfig, weights, tokens, pos, mask, n_tokens: 
     return forward(ctx, cfg, weights, tokens, pos, attend)
 
 
+def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The trainable tensors of a model of this config: GGUF name -> NumPy
+    shape (a linear weight is (d_out, d_in)), in the order llama.cpp's
+    converter writes them. RoPE frequency factors are not trainable."""
+    H, Hkv, D, d = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.d_model
+    out: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.n_vocab, d)}
+    for i in range(cfg.n_layer):
+        p = f"blk.{i}"
+        out[f"{p}.attn_norm.weight"] = (d,)
+        for x, n in (("q", H), ("k", Hkv), ("v", Hkv)):
+            out[f"{p}.attn_{x}.weight"] = (n * D, d)
+            if cfg.qkv_bias:
+                out[f"{p}.attn_{x}.bias"] = (n * D,)
+        if cfg.qk_norm:
+            out[f"{p}.attn_q_norm.weight"] = (D,)
+            out[f"{p}.attn_k_norm.weight"] = (D,)
+        out[f"{p}.attn_output.weight"] = (d, H * D)
+        out[f"{p}.ffn_norm.weight"] = (d,)
+        out[f"{p}.ffn_gate.weight"] = (cfg.d_ff, d)
+        out[f"{p}.ffn_up.weight"] = (cfg.d_ff, d)
+        out[f"{p}.ffn_down.weight"] = (d, cfg.d_ff)
+    out["output_norm.weight"] = (d,)
+    if not cfg.tied_output:
+        out["output.weight"] = (cfg.n_vocab, d)
+    return out
+
+
+def forward_batch(ctx, cfg: LlamaConfig, weights, tokens, pos, mask, batch: int, keep=None):
+    """Logits (B*T, V) of B rows of T tokens at once, for training: ``tokens``
+    and ``pos`` I32 (B*T,) (row-major), ``mask`` F32 (B, 1, T, T) additive
+    attention mask (causal, or block-causal for packed documents), broadcast
+    over heads. ``keep`` (F32 (B*T, 1), optional) multiplies the final hidden
+    states before the head: a row multiplied by 0 contributes nothing to any
+    weight's gradient (its zero hidden state makes the head's weight gradient
+    vanish, and the 0 blocks the gradient flowing back), which is how rows
+    without a target are taken out of the loss.
+
+    Attention is batched over rows and heads together: Q (B*H, T, D) against
+    K (B*H_kv, T, D) in one mul_mat, whose broadcast gives query head
+    ``b*H + h`` the key/value head ``(b*H + h) // G = b*H_kv + h // G``
+    (G = H / H_kv): GQA within each row. (A 4-D broadcast would read the same
+    heads, but ggml's MUL_MAT backward only handles the 3-D one.) The scores
+    are viewed as (B, H, T, T) for one soft_max with the mask, then one
+    mul_mat with V (B*H_kv, D, T)."""
+    N = tokens.shape[0]
+    if N % batch:
+        raise ValueError(f"forward_batch: {N} tokens do not split into {batch} rows")
+    T, H, Hkv, D = N // batch, cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    if mask.shape != (batch, 1, T, T):
+        raise ValueError(f"forward_batch: mask {mask.shape} must be ({batch}, 1, {T}, {T})")
+    scale = 1.0 / math.sqrt(D)
+
+    def heads(x, n, axes, shape):  # (N, n, D) -> rows-and-heads-major, contiguous
+        return ctx.reshape(ctx.cont(ctx.permute(ctx.reshape(x, (batch, T, n, D)), axes)), shape)
+
+    def attend(_layer, q, k, v):
+        q = heads(q, H, (0, 2, 1, 3), (batch * H, T, D))
+        k = heads(k, Hkv, (0, 2, 1, 3), (batch * Hkv, T, D))
+        v = heads(v, Hkv, (0, 2, 3, 1), (batch * Hkv, D, T))
+        kq = ctx.reshape(ctx.mul_mat(k, q), (batch, H, T, T))
+        kq = ctx.reshape(ctx.soft_max(kq, mask, scale), (batch * H, T, T))
+        a = ctx.reshape(ctx.mul_mat(v, kq), (batch, H, T, D))
+        return ctx.reshape(ctx.cont(ctx.permute(a, (0, 2, 1, 3))), (N, H * D))
+
+    h = forward(ctx, cfg, weights, tokens, pos, attend, head=False)  # (N, d)
+    if keep is not None:
+        h = ctx.mul(h, keep)
+    return ctx.mul_mat(weights["token_embd.weight" if cfg.tied_output else "output.weight"], h)
+
+
 @dataclass
 class _Step:
     """The graph for one sequence length: inputs in their own allocated
@@ -445,6 +515,8 @@ __all__ = [
     "attention",
     "causal_mask",
     "forward",
+    "forward_batch",
     "forward_logits",
+    "param_shapes",
     "padded_length",
 ]

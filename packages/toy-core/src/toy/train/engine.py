@@ -1,0 +1,399 @@
+"""The training step engine: loss, backward, clipping, AdamW, accumulation.
+
+Architecture-generic: a ``TrainModel`` supplies its parameter list and the
+graph from a batch to logits; the engine supplies everything else. For one
+batch of B rows x T tokens (``N = B*T``):
+
+    logits (N, V) = model.logits(ctx, params, inputs)        # rows without a target zeroed
+    ce            = cross_entropy_loss(logits, one-hot labels)   # = sum(nll) / N
+    loss          = ce * loss_scale                               # loss_scale = N / n_targets(step)
+
+``n_targets(step)`` counts the target tokens of ALL micro-batches of the
+optimizer step, so with gradient accumulation the summed micro-batch losses
+(and gradients) are the mean NLL over every target token of the step, not a
+mean of micro-batch means. Rows without a target (``loss_mask`` 0: padding,
+the position after a document's end) get a zero one-hot row and are zeroed
+before the head, so they add nothing to the loss or to any gradient.
+
+Graphs (built once, reused; a step is data uploads plus one compute each):
+
+- ``single`` (no accumulation): forward, backward, clip, AdamW;
+- ``first`` / ``middle``: forward, backward, gradients copied / added into
+  persistent accumulators;
+- ``last``: forward, backward, accumulator + gradient, clip, AdamW;
+- ``eval``: forward and the summed NLL only.
+
+Clipping scales every gradient by ``min(1, clip / (norm + 1e-6))`` where
+``norm`` is the global L2 norm (reported as ``grad_norm``, before clipping).
+AdamW is ggml's ``opt_step_adamw`` (PyTorch's decoupled weight decay), with
+one hyper-parameter vector for decayed tensors and one for the rest.
+
+Memory: parameters and the two AdamW moments live in one allocated
+context on the runtime's device (3x the F32 model); activations and
+gradients come from the runtime's scheduler, which reuses memory between
+nodes; accumulators (only with accumulation) add 1x.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+import toy_ggml
+from toy.train.optim import OptimConfig, adamw_hparams
+
+F32 = toy_ggml.GGMLType.F32
+I32 = toy_ggml.GGMLType.I32
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    kind: str  # "matrix", "embedding", "norm" or "bias"
+
+    def decays(self, optim: OptimConfig) -> bool:
+        """Whether AdamW's weight decay applies (matrices; embeddings only
+        with ``decay_embeddings``; never norm gains or biases)."""
+        return self.kind == "matrix" or (self.kind == "embedding" and optim.decay_embeddings)
+
+
+class TrainModel(Protocol):
+    """What an architecture gives the engine."""
+
+    n_vocab: int
+
+    def param_specs(self) -> list[ParamSpec]: ...
+
+    def logits(self, ctx, params: Mapping[str, toy_ggml.Tensor], inputs: BatchInputs) -> toy_ggml.Tensor:
+        """Logits (N, V) of a batch; rows where ``inputs.keep`` is 0 must
+        not reach any weight's gradient."""
+        ...
+
+
+@dataclass
+class BatchInputs:
+    """The input tensors of a (B, T) batch graph (an allocated context)."""
+
+    batch: int
+    context: int
+    tokens: toy_ggml.Tensor  # I32 (N,)
+    pos: toy_ggml.Tensor  # I32 (N,)
+    mask: toy_ggml.Tensor  # F32 (B, 1, T, T) additive attention mask
+    keep: toy_ggml.Tensor  # F32 (N, 1): 1 where the row has a target
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean NLL over the step's target tokens
+    grad_norm: float  # global L2 norm before clipping
+    lr: float
+    n_targets: int
+
+
+class _Graph:
+    def __init__(self, ops: toy_ggml.Context, graph: toy_ggml.Graph, loss, loss_seed, norm=None):
+        self.ops, self.graph, self.loss, self.loss_seed, self.norm = ops, graph, loss, loss_seed, norm
+        self.grads: dict[str, toy_ggml.Tensor] = {}
+
+
+class TrainEngine:
+    """Parameters, optimizer state and the step graphs of one model.
+
+    ``batch`` x ``context`` is the micro-batch shape; ``accum`` micro-batches
+    make one optimizer step. ``params`` (name -> F32 array of the spec's
+    shape) are the starting values.
+    """
+
+    def __init__(
+        self,
+        model: TrainModel,
+        params: Mapping[str, np.ndarray],
+        runtime: toy_ggml.Runtime,
+        optim: OptimConfig,
+        *,
+        batch: int,
+        context: int,
+        accum: int = 1,
+    ):
+        if batch < 1 or context < 2 or accum < 1:
+            raise ValueError(f"batch={batch}, context={context}, accum={accum} out of range")
+        self.model, self.runtime, self.optim = model, runtime, optim.validate()
+        self.batch, self.context, self.accum = batch, context, accum
+        self.specs = model.param_specs()
+        self.n_vocab = model.n_vocab
+        n = batch * context
+        self._labels_host = np.zeros((n, self.n_vocab), np.float32)
+        self._label_cols = np.zeros(n, np.int64)
+
+        # parameters, moments, accumulators and inputs: one allocated context
+        n_state = len(self.specs) * (4 if accum > 1 else 3)
+        self._state = toy_ggml.Context(max_tensors=n_state + 16)
+        st = self._state
+        self.params: dict[str, toy_ggml.Tensor] = {}
+        self._m: dict[str, toy_ggml.Tensor] = {}
+        self._v: dict[str, toy_ggml.Tensor] = {}
+        self._acc: dict[str, toy_ggml.Tensor] = {}
+        for s in self.specs:
+            self.params[s.name] = st.tensor(F32, s.shape, name=s.name).set_param()
+            self._m[s.name] = st.tensor(F32, s.shape, name=f"adam_m.{s.name}")
+            self._v[s.name] = st.tensor(F32, s.shape, name=f"adam_v.{s.name}")
+            if accum > 1:
+                self._acc[s.name] = st.tensor(F32, s.shape, name=f"grad_acc.{s.name}")
+        self.inputs = BatchInputs(
+            batch,
+            context,
+            st.tensor(I32, (n,), name="tokens"),
+            st.tensor(I32, (n,), name="pos"),
+            st.tensor(F32, (batch, 1, context, context), name="mask"),
+            st.tensor(F32, (n, 1), name="keep"),
+        )
+        self._labels = st.tensor(F32, (n, self.n_vocab), name="labels")
+        self._loss_scale = st.tensor(F32, (1,), name="loss_scale")
+        self._hp = {True: st.tensor(F32, (7,), name="adamw_decay"), False: st.tensor(F32, (7,), name="adamw_no_decay")}
+        self._clip = st.tensor(F32, (1,), name="clip")
+        self._eps = st.tensor(F32, (1,), name="clip_eps")
+        st.allocate(runtime)
+        missing = [s.name for s in self.specs if s.name not in params]
+        if missing:
+            raise ValueError(f"no starting value for {missing[0]!r}")
+        for s in self.specs:
+            a = np.asarray(params[s.name], np.float32)
+            if a.shape != s.shape:
+                raise ValueError(f"{s.name}: value of shape {a.shape}, expected {s.shape}")
+            self.params[s.name].set(a)
+            self._m[s.name].set(np.zeros(s.shape, np.float32))
+            self._v[s.name].set(np.zeros(s.shape, np.float32))
+        self._clip.set(np.array([optim.grad_clip], np.float32))
+        self._eps.set(np.array([1e-6], np.float32))
+        self.step = 0  # optimizer steps taken
+        self._graphs: dict[str, _Graph] = {}
+        self._row = None  # one-row forward graph for samples
+
+    # ------------------------------------------------------------------ graphs
+
+    def _graph_capacity(self) -> int:
+        return 200 * len(self.specs) + 4096
+
+    def _build(self, kind: str) -> _Graph:
+        cap = self._graph_capacity()
+        ops = toy_ggml.Context(max_tensors=cap * 8, graph_size=cap * 8)
+        logits = self.model.logits(ops, self.params, self.inputs)
+        ce = ops.cross_entropy_loss(logits, self._labels)
+        if kind == "eval":
+            loss = ops.mul(ce, self._loss_scale).set_output()
+            g = toy_ggml.Graph(ops, size=cap * 4).build_forward(loss)
+            return _Graph(ops, g, loss, None)
+        loss = ops.mul(ce, self._loss_scale).set_loss().set_output()
+        g = toy_ggml.Graph(ops, size=cap * 8, grads=True)
+        g.build_forward(loss)
+        g.build_backward()
+        seed = g.grad(loss)
+        seed.set_input()
+        grads = {}
+        for s in self.specs:
+            gr = g.grad(self.params[s.name])
+            if gr is None:
+                raise ValueError(f"parameter {s.name!r} gets no gradient from the loss")
+            grads[s.name] = gr if gr.is_contiguous else ops.cont(gr)
+        outs = []
+        norm = None
+        if kind == "probe":
+            out = _Graph(ops, g, loss, seed)
+            out.grads = {k: v.set_output() for k, v in grads.items()}
+            g.build_forward(*out.grads.values())
+            return out
+        if kind in ("first", "middle"):
+            for s in self.specs:
+                acc = self._acc[s.name]
+                src = grads[s.name] if kind == "first" else ops.add(acc, grads[s.name])
+                outs.append(ops.cpy(src, acc))
+        else:  # single, last: clip and step
+            if kind == "last":
+                grads = {k: ops.add(self._acc[k], v) for k, v in grads.items()}
+            sq = None
+            for s in self.specs:
+                t = ops.sum(ops.sqr(grads[s.name]))
+                sq = t if sq is None else ops.add(sq, t)
+            norm = ops.sqrt(sq).set_output()
+            outs.append(norm)
+            if self.optim.grad_clip > 0:
+                factor = ops.clamp(ops.div(self._clip, ops.add(norm, self._eps)), 0.0, 1.0)
+                grads = {k: ops.mul(v, factor) for k, v in grads.items()}
+            for s in self.specs:
+                p = self.params[s.name]
+                outs.append(
+                    ops.opt_step_adamw(
+                        p, grads[s.name], self._m[s.name], self._v[s.name], self._hp[s.decays(self.optim)]
+                    )
+                )
+        g.build_forward(*outs)
+        return _Graph(ops, g, loss, seed, norm)
+
+    def _get(self, kind: str) -> _Graph:
+        g = self._graphs.get(kind)
+        if g is None:
+            g = self._graphs[kind] = self._build(kind)
+        return g
+
+    # ------------------------------------------------------------------ data
+
+    def _upload(self, batch, scale: float) -> None:
+        B, T = self.batch, self.context
+        tokens = np.asarray(batch.tokens, np.int32)
+        if tokens.shape != (B, T):
+            raise ValueError(f"batch of shape {tokens.shape}, the engine was built for ({B}, {T})")
+        keep = np.asarray(batch.loss_mask, np.float32).reshape(-1)
+        targets = np.asarray(batch.targets, np.int64).reshape(-1)
+        if ((targets < 0) | (targets >= self.n_vocab))[keep > 0].any():
+            raise ValueError(f"a target token is outside the vocabulary (0..{self.n_vocab - 1})")
+        rows = np.arange(B * T)
+        lab = self._labels_host
+        lab[rows, self._label_cols] = 0.0  # clear the previous batch's ones
+        cols = np.where(keep > 0, targets, 0)
+        lab[rows, cols] = keep > 0
+        self._label_cols = cols
+        from toy.train.data import attention_mask
+
+        inp = self.inputs
+        inp.tokens.set(tokens.reshape(-1))
+        inp.pos.set(np.asarray(batch.pos, np.int32).reshape(-1))
+        inp.mask.set(attention_mask(np.asarray(batch.doc), block_causal=True))
+        inp.keep.set((keep > 0).astype(np.float32).reshape(-1, 1))
+        self._labels.set(lab)
+        self._loss_scale.set(np.array([scale], np.float32))
+
+    def _run(self, g: _Graph) -> float:
+        rt = self.runtime
+        rt.allocate(g.graph)
+        if g.loss_seed is not None:
+            g.loss_seed.set(np.ones(g.loss_seed.shape, np.float32))
+        rt.compute(g.graph)
+        return float(g.loss.numpy().reshape(-1)[0])
+
+    # ------------------------------------------------------------------ steps
+
+    def train_step(self, micro_batches, lr: float) -> StepResult:
+        """One optimizer step over ``accum`` micro-batches (objects with
+        tokens, targets, loss_mask, pos, doc arrays of shape (B, T))."""
+        micro_batches = list(micro_batches)
+        if len(micro_batches) != self.accum:
+            raise ValueError(f"{len(micro_batches)} micro-batches for an engine with accum={self.accum}")
+        n_targets = int(sum(int(np.count_nonzero(np.asarray(b.loss_mask))) for b in micro_batches))
+        if n_targets == 0:
+            raise ValueError("the step's micro-batches have no target token")
+        scale = self.batch * self.context / n_targets
+        for d in (True, False):
+            self._hp[d].set(np.array(adamw_hparams(self.optim, lr, self.step, d), np.float32))
+        total = 0.0
+        for i, b in enumerate(micro_batches):
+            if self.accum == 1:
+                kind = "single"
+            else:
+                kind = "first" if i == 0 else ("last" if i == self.accum - 1 else "middle")
+            self._upload(b, scale)
+            g = self._get(kind)
+            total += self._run(g)
+        norm = float(g.norm.numpy().reshape(-1)[0])
+        self.step += 1
+        return StepResult(loss=total, grad_norm=norm, lr=lr, n_targets=n_targets)
+
+    def gradients(self, micro_batches) -> tuple[float, dict[str, np.ndarray]]:
+        """(loss, gradient of every parameter) of one optimizer step's
+        micro-batches, normalized as ``train_step`` does, without updating
+        anything (for tests and diagnostics; float64 sums of the per-batch
+        gradients)."""
+        micro_batches = list(micro_batches)
+        n_targets = int(sum(int(np.count_nonzero(np.asarray(b.loss_mask))) for b in micro_batches))
+        if n_targets == 0:
+            raise ValueError("the micro-batches have no target token")
+        g = self._graphs.get("probe")
+        if g is None:
+            g = self._build("probe")
+            self._graphs["probe"] = g
+        total, grads = 0.0, {}
+        for b in micro_batches:
+            self._upload(b, self.batch * self.context / n_targets)
+            total += self._run(g)
+            for name, t in g.grads.items():
+                grads[name] = grads.get(name, 0.0) + t.numpy().astype(np.float64)
+        return total, grads
+
+    def eval_nll(self, batch) -> tuple[float, int]:
+        """(sum of NLL over the batch's targets, number of targets) without
+        touching the parameters."""
+        n = int(np.count_nonzero(np.asarray(batch.loss_mask)))
+        if n == 0:
+            return 0.0, 0
+        self._upload(batch, float(self.batch * self.context))
+        return self._run(self._get("eval")), n
+
+    def next_token_logits(self, ids) -> np.ndarray:
+        """Logits (V,) after the token ids (the last ``context`` of them),
+        from a one-row forward graph over the current parameters (for
+        sample generations during training; no KV cache)."""
+        ids = np.asarray(ids, np.int32).reshape(-1)[-self.context :]
+        if len(ids) == 0:
+            raise ValueError("next_token_logits: no tokens")
+        T = self.context
+        if self._row is None:
+            cin = toy_ggml.Context(max_tensors=8)
+            inp = BatchInputs(
+                1,
+                T,
+                cin.tensor(I32, (T,), name="row_tokens"),
+                cin.tensor(I32, (T,), name="row_pos"),
+                cin.tensor(F32, (1, 1, T, T), name="row_mask"),
+                cin.tensor(F32, (T, 1), name="row_keep"),
+            )
+            cin.allocate(self.runtime)
+            inp.pos.set(np.arange(T, dtype=np.int32))
+            causal = np.triu(np.full((T, T), -np.inf, np.float32), 1)
+            inp.mask.set(causal.reshape(1, 1, T, T))
+            inp.keep.set(np.ones((T, 1), np.float32))
+            cap = self._graph_capacity()
+            ops = toy_ggml.Context(max_tensors=cap * 2)
+            out = self.model.logits(ops, self.params, inp).set_output()
+            graph = toy_ggml.Graph(ops, size=cap * 2).build_forward(out)
+            self._row = (cin, inp, ops, graph, out)
+        cin, inp, ops, graph, out = self._row
+        padded = np.zeros(T, np.int32)
+        padded[: len(ids)] = ids
+        inp.tokens.set(padded)
+        self.runtime.compute(graph)
+        return out.numpy()[len(ids) - 1].copy()
+
+    # ------------------------------------------------------------------ state
+
+    def param_values(self) -> dict[str, np.ndarray]:
+        return {s.name: self.params[s.name].numpy().copy() for s in self.specs}
+
+    def optimizer_state(self) -> dict[str, np.ndarray]:
+        out = {}
+        for s in self.specs:
+            out[f"adam_m.{s.name}"] = self._m[s.name].numpy().copy()
+            out[f"adam_v.{s.name}"] = self._v[s.name].numpy().copy()
+        return out
+
+    def load_state(self, params: Mapping[str, np.ndarray], optimizer: Mapping[str, np.ndarray], step: int) -> None:
+        for s in self.specs:
+            self.params[s.name].set(np.asarray(params[s.name], np.float32))
+            self._m[s.name].set(np.asarray(optimizer[f"adam_m.{s.name}"], np.float32))
+            self._v[s.name].set(np.asarray(optimizer[f"adam_v.{s.name}"], np.float32))
+        self.step = int(step)
+
+    def close(self) -> None:
+        for g in self._graphs.values():
+            g.ops.close()
+        self._graphs.clear()
+        if self._row is not None:
+            self._row[2].close()
+            self._row[0].close()
+            self._row = None
+        self._state.close()
+
+
+__all__ = ["BatchInputs", "ParamSpec", "StepResult", "TrainEngine", "TrainModel"]
