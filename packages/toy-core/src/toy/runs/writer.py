@@ -102,6 +102,40 @@ class RunWriter:
             **start,
         )
 
+    @classmethod
+    def reopen(cls, run_dir: str | os.PathLike) -> RunWriter:
+        """Append to an existing run (a resumed training run): ``t`` goes on
+        from the last event's time; a torn last line is completed with a
+        newline first so it stays one (skipped) line. The caller writes a
+        ``resume`` event."""
+        self = cls.__new__(cls)
+        self.dir = Path(run_dir)
+        path = self.dir / "events.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no events file to append to")
+        last_t, first = 0.0, None
+        raw = path.read_bytes()
+        for line in raw.splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                first = first or rec
+                if isinstance(rec.get("t"), (int, float)):
+                    last_t = float(rec["t"])
+        if first is None or first.get("kind") != "run_start":
+            raise ValueError(f"{path}: does not start with run_start")
+        self.run_id = str(first.get("run_id"))
+        self.kind = str(first.get("run_kind", "train"))
+        self._t0 = time.monotonic() - last_t
+        self._lock = threading.Lock()
+        self._f = open(path, "a", encoding="utf-8")
+        if raw and not raw.endswith(b"\n"):
+            self._f.write("\n")
+        self.ended = False
+        return self
+
     def event(self, kind: str, **fields: Any) -> None:
         """Append one event (``kind`` and ``t`` first)."""
         rec = {"kind": kind, "t": round(time.monotonic() - self._t0, 6), **fields}

@@ -9,8 +9,9 @@ Schedules (``lr_at(step)``, ``step`` counted from 0, the optimizer step about
 to be taken):
 
 - ``constant``: ``lr`` after a linear warmup;
-- ``linear``: warmup, then linear decay from ``lr`` to ``min_lr`` at the last step;
-- ``cosine``: warmup, then half a cosine from ``lr`` to ``min_lr``;
+- ``linear``: warmup, then linear decay from ``lr`` towards ``min_lr`` (reached
+  one step after the last, so the last step still learns);
+- ``cosine``: warmup, then half a cosine from ``lr`` towards ``min_lr`` (likewise);
 - ``wsd`` (warmup-stable-decay): warmup, ``lr`` held, then a linear decay to
   ``min_lr`` over the last ``decay_fraction`` of the steps.
 
@@ -76,15 +77,17 @@ def lr_at(cfg: OptimConfig, step: int, total_steps: int) -> float:
         return cfg.lr * (step + 1) / cfg.warmup
     if cfg.schedule == "constant":
         return cfg.lr
-    span = max(1, total_steps - 1)
     if cfg.schedule == "wsd":
         n_decay = max(1, round(cfg.decay_fraction * total_steps))
         start = max(cfg.warmup, total_steps - n_decay)
         if step < start:
             return cfg.lr
-        frac = min(1.0, (step - start + 1) / max(1, total_steps - start))
+        frac = min(1.0, (step - start + 1) / (total_steps - start + 1))
         return cfg.lr + (cfg.min_lr - cfg.lr) * frac
-    done = min(1.0, (step - cfg.warmup) / max(1, span - cfg.warmup))
+    # the fraction of the decay done before this step: 0 at the first step
+    # after warmup, (n-1)/n at the last (the schedule would reach min_lr at
+    # step total_steps, which is never taken: no step is wasted at min_lr 0)
+    done = min(1.0, (step - cfg.warmup) / max(1, total_steps - cfg.warmup))
     if cfg.schedule == "linear":
         return cfg.lr + (cfg.min_lr - cfg.lr) * done
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * done))  # cosine

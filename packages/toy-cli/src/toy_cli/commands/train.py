@@ -1,0 +1,283 @@
+"""`toy train`: training runs (from scratch; `--resume` continues any run).
+
+Configuration: a TOML file (``--config``) validated into
+``toy.train.config.TrainConfig``, then the flags given here on top; the
+resolved config is what the run records. Progress (step, loss, lr, tok/s,
+ETA) goes to stderr as a rich progress bar on a terminal, one line every few
+seconds otherwise; the run folder's path is printed on stdout at the end
+(``--json``: a JSON summary instead).
+
+Stopping: the first Ctrl-C (SIGINT) or SIGTERM finishes the current step,
+saves a checkpoint, writes ``run_end`` with reason "interrupted" and exits
+(130 after SIGINT, 0 after SIGTERM, the polite stop a process manager
+sends); ``toy train --resume RUN_DIR`` continues exactly. A second Ctrl-C
+aborts at once (the last checkpoint stays intact).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from toy_cli.commands.models import _errors
+
+train_app = typer.Typer(
+    help="Train models: from scratch now; `--resume RUN_DIR` continues a stopped run.",
+    no_args_is_help=False,
+    invoke_without_command=True,
+)
+
+_P = "Run"
+_M = "Model"
+_O = "Optimizer"
+
+
+@contextmanager
+def _stop_signals():
+    """Yield a dict whose "signal" is set by the first SIGINT/SIGTERM; a
+    second SIGINT raises KeyboardInterrupt."""
+    state: dict = {"signal": None}
+
+    def handler(signum, _frame):
+        if state["signal"] is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        state["signal"] = signum
+        print("\nstopping after this step (saving a checkpoint)...", file=sys.stderr)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield state
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+class _Bar:
+    """Training progress on stderr."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self.tty = sys.stderr.isatty()
+        self.bar = None
+        self.task = None
+        self.phases: dict[str, int] = {}
+        self.last_line = 0.0
+        self.t0 = time.monotonic()
+
+    def _ensure(self):
+        if self.bar is None and self.tty and not self.quiet:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+                transient=False,
+            )
+            self.bar.start()
+        return self.bar
+
+    def phase(self, label: str, done: int, total: int) -> None:
+        bar = self._ensure()
+        if bar is None:
+            return
+        if label not in self.phases:
+            self.phases[label] = bar.add_task(label, total=total or None, info="")
+        bar.update(self.phases[label], completed=done, total=total or None)
+
+    def note(self, text: str) -> None:
+        if self.quiet:
+            return
+        bar = self._ensure()
+        if bar is not None:
+            bar.console.print(text)
+        else:
+            print(text, file=sys.stderr)
+
+    def progress(self, ev: dict) -> None:
+        if self.quiet:
+            return
+        info = f"loss {ev['loss']:.4f} lr {ev['lr']:.2e} {ev['tokens_per_s']:,.0f} tok/s"
+        bar = self._ensure()
+        if bar is not None:
+            if self.task is None:
+                self.task = bar.add_task("train", total=ev["total"], info=info)
+            bar.update(self.task, completed=ev["step"], info=info)
+            return
+        now = time.monotonic()
+        if now - self.last_line >= 5 or ev["step"] == ev["total"]:
+            self.last_line = now
+            print(f"step {ev['step']}/{ev['total']} {info}", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+def _finish(result, as_json: bool, sig) -> None:
+    if as_json:
+        typer.echo(
+            json.dumps(
+                {
+                    "run_id": result.run_id,
+                    "run_dir": str(result.run_dir),
+                    "reason": result.reason,
+                    "final_step": result.final_step,
+                    "final_loss": result.final_loss,
+                    "val_loss": result.val_loss,
+                    "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+                }
+            )
+        )
+    else:
+        typer.echo(str(result.run_dir))
+        print(
+            f"{result.reason} at step {result.final_step}: loss {result.final_loss}"
+            + (f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else "")
+            + (f"; checkpoint {result.checkpoint}" if result.checkpoint else ""),
+            file=sys.stderr,
+        )
+    if result.reason == "interrupted" and sig == signal.SIGINT:
+        raise typer.Exit(130)
+
+
+def _run(fn, quiet: bool, as_json: bool):
+    from toy.train.loop import Hooks
+
+    bar = _Bar(quiet)
+    with _errors(), _stop_signals() as st:
+        hooks = Hooks(
+            progress=bar.progress, note=bar.note, should_stop=lambda: st["signal"] is not None, phase=bar.phase
+        )
+        try:
+            result = fn(hooks)
+        finally:
+            bar.close()
+    _finish(result, as_json, st["signal"])
+
+
+@train_app.callback()
+def train_main(
+    ctx: typer.Context,
+    resume: Annotated[
+        Path | None, typer.Option("--resume", help="Continue the run in this folder from its latest checkpoint.")
+    ] = None,
+    steps: Annotated[int | None, typer.Option("--steps", help="With --resume: raise the total steps.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
+) -> None:
+    """Train a model. `toy train from-scratch --help` lists the options of a new run."""
+    if ctx.invoked_subcommand is not None:
+        if resume is not None:
+            from toy_cli.main import CLIError
+
+            raise CLIError("--resume goes without a subcommand: toy train --resume RUN_DIR", code=2)
+        return
+    if resume is None:
+        typer.echo(ctx.get_help())
+        raise typer.Exit(0)
+    from toy.train.loop import resume as resume_run
+
+    _run(lambda hooks: resume_run(resume, hooks, steps=steps), quiet, as_json)
+
+
+@train_app.command("from-scratch")
+def from_scratch(
+    paths: Annotated[list[Path] | None, typer.Argument(help='Text files, folders or JSONL ({"text": ...}).')] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="A TOML config file.")] = None,
+    preset: Annotated[
+        str | None, typer.Option("--preset", help="tiny, small or smollm2-135m.", rich_help_panel=_M)
+    ] = None,
+    d_model: Annotated[int | None, typer.Option("--d-model", rich_help_panel=_M)] = None,
+    n_layer: Annotated[int | None, typer.Option("--layers", rich_help_panel=_M)] = None,
+    n_head: Annotated[int | None, typer.Option("--heads", rich_help_panel=_M)] = None,
+    n_head_kv: Annotated[int | None, typer.Option("--kv-heads", rich_help_panel=_M)] = None,
+    d_ff: Annotated[int | None, typer.Option("--ffn", rich_help_panel=_M)] = None,
+    tokenizer: Annotated[
+        str | None, typer.Option("--tokenizer", help="Take the tokenizer of this GGUF model.", rich_help_panel=_M)
+    ] = None,
+    vocab_size: Annotated[
+        int | None, typer.Option("--vocab-size", help="Else train a byte-level BPE of this size.", rich_help_panel=_M)
+    ] = None,
+    steps: Annotated[int | None, typer.Option("--steps", rich_help_panel=_P)] = None,
+    batch_size: Annotated[int | None, typer.Option("--batch-size", "-b", rich_help_panel=_P)] = None,
+    context: Annotated[int | None, typer.Option("--context", help="Tokens per row.", rich_help_panel=_P)] = None,
+    grad_accum: Annotated[int | None, typer.Option("--grad-accum", rich_help_panel=_P)] = None,
+    seed: Annotated[int | None, typer.Option("--seed", rich_help_panel=_P)] = None,
+    eval_every: Annotated[int | None, typer.Option("--eval-every", rich_help_panel=_P)] = None,
+    save_every: Annotated[int | None, typer.Option("--save-every", rich_help_panel=_P)] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Runs folder (default ./runs).", rich_help_panel=_P)] = None,
+    device: Annotated[str | None, typer.Option("--device", rich_help_panel=_P)] = None,
+    threads: Annotated[int | None, typer.Option("--threads", "-t", rich_help_panel=_P)] = None,
+    lr: Annotated[float | None, typer.Option("--lr", rich_help_panel=_O)] = None,
+    schedule: Annotated[
+        str | None, typer.Option("--schedule", help="constant, linear, cosine or wsd.", rich_help_panel=_O)
+    ] = None,
+    warmup: Annotated[int | None, typer.Option("--warmup", rich_help_panel=_O)] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
+) -> None:
+    """Train a llama-family model from random weights on your text."""
+    with _errors():
+        from toy.train import config as C
+
+        cfg = C.load_toml(config) if config else C.TrainConfig()
+        cfg = C.override(
+            cfg,
+            **{
+                "data.paths": [str(p) for p in paths] if paths else None,
+                "model.preset": preset,
+                "model.d_model": d_model,
+                "model.n_layer": n_layer,
+                "model.n_head": n_head,
+                "model.n_head_kv": n_head_kv,
+                "model.d_ff": d_ff,
+                "tokenizer.model": tokenizer,
+                "tokenizer.vocab_size": vocab_size,
+                "steps": steps,
+                "batch_size": batch_size,
+                "context": context,
+                "grad_accum": grad_accum,
+                "seed": seed,
+                "eval_every": eval_every,
+                "save_every": save_every,
+                "out": str(out) if out else None,
+                "device": device,
+                "threads": threads,
+                "optim.lr": lr,
+                "optim.schedule": schedule,
+                "optim.warmup": warmup,
+            },
+        )
+    from toy.train.loop import train
+
+    _run(lambda hooks: train(cfg, hooks), quiet, as_json)
+
+
+@train_app.command("demo-corpus")
+def demo_corpus(
+    folder: Annotated[Path, typer.Argument(help="Folder to write the text files into.")] = Path("corpus"),
+) -> None:
+    """Write a small English corpus (Python's documentation topics, ~465 KB) to train on."""
+    from toy.train.corpus import write_python_docs
+
+    paths = write_python_docs(folder)
+    size = sum(p.stat().st_size for p in paths)
+    typer.echo(str(folder))
+    print(f"wrote {len(paths)} files ({size / 1e3:.0f} KB) to {folder}", file=sys.stderr)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(train_app, name="train")

@@ -1,0 +1,256 @@
+"""Training configuration: dataclasses, size presets, TOML loading.
+
+A config file is TOML; its top-level keys are the fields of ``TrainConfig``
+and its tables ``[model]``, ``[data]``, ``[tokenizer]``, ``[optim]`` the
+fields of the nested dataclasses. Unknown keys and wrong types are errors
+(``ConfigError``, naming the key). CLI flags override file values
+(``override``); the resolved config (``to_dict``) is what a run records in
+``config.json`` and in its checkpoints, and what ``--resume`` reads back.
+
+Size presets (``PRESETS``; the vocabulary comes from the tokenizer):
+
+- ``tiny``: d 128, 4 layers, 4 heads (2 KV), FFN 352: about 0.9M parameters
+  with a 1024-token vocabulary; for tests and the tutorial (seconds);
+- ``small``: d 384, 6 layers, 6 heads (2 KV), FFN 1024: about 12.6M with an
+  8192-token vocabulary;
+- ``smollm2-135m``: SmolLM2-135M's shape (d 576, 30 layers, 9 heads, 3 KV,
+  FFN 1536, RoPE base 100000); 135M with its 49152-token vocabulary.
+
+All presets tie the output head to the token embedding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+try:  # Python 3.11+
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+from toy.errors import BadInputError
+from toy.train.optim import OptimConfig
+
+
+class ConfigError(BadInputError):
+    """A configuration file or value is invalid; the message names the key."""
+
+
+@dataclass
+class ModelShape:
+    preset: str | None = "tiny"
+    d_model: int | None = None
+    n_layer: int | None = None
+    n_head: int | None = None
+    n_head_kv: int | None = None
+    d_ff: int | None = None
+    head_dim: int | None = None  # default d_model / n_head
+    rope_base: float | None = None
+    norm_eps: float = 1e-5
+    tied_output: bool = True
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(d_model=128, n_layer=4, n_head=4, n_head_kv=2, d_ff=352, rope_base=10000.0),
+    "small": dict(d_model=384, n_layer=6, n_head=6, n_head_kv=2, d_ff=1024, rope_base=10000.0),
+    "smollm2-135m": dict(d_model=576, n_layer=30, n_head=9, n_head_kv=3, d_ff=1536, rope_base=100000.0),
+}
+
+
+@dataclass
+class DataConfig:
+    paths: list[str] = field(default_factory=list)
+    val_fraction: float = 0.05
+    block_causal: bool = True  # packed documents do not attend to each other
+    cache_dir: str | None = None  # default: <toy home>/cache/tokens
+
+
+@dataclass
+class TokenizerConfig:
+    model: str | None = None  # take the tokenizer of this GGUF model (path or name)
+    vocab_size: int = 1024  # else train a byte-level BPE of this size on the corpus
+
+
+@dataclass
+class TrainConfig:
+    model: ModelShape = field(default_factory=ModelShape)
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    seed: int = 0
+    steps: int = 1000
+    batch_size: int = 8
+    context: int = 128
+    grad_accum: int = 1
+    eval_every: int = 100  # 0: only at the end
+    eval_batches: int = 8  # validation batches per evaluation (0: all)
+    save_every: int = 500  # 0: only at the end
+    keep_checkpoints: int = 3  # newest checkpoints kept (0: all)
+    sample_every: int = 0  # 0: a sample at each save
+    sample_prompt: str = ""  # empty: the start of the first validation window
+    sample_tokens: int = 32
+    device: str = "cpu"
+    threads: int | None = None  # default: physical cores
+    out: str | None = None  # runs folder (default: $TOY_RUNS_DIR or ./runs)
+
+
+def _check_type(key: str, value: Any, hint: Any) -> Any:
+    """Coerce/validate ``value`` against a (simple) annotation."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check_type(key, value, inner[0])
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_check_type(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported value {value!r}")
+
+
+def _build(cls, data: dict[str, Any], prefix: str = ""):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a table")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown key {prefix}{unknown[0]!r}", hint=f"known keys here: {', '.join(sorted(fields))}")
+    kw = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kw[name] = _build(hint, value, f"{prefix}{name}.")
+        else:
+            kw[name] = _check_type(f"{prefix}{name}", value, hint)
+    return cls(**kw)
+
+
+def from_dict(data: dict[str, Any]) -> TrainConfig:
+    """A validated TrainConfig from nested plain data (TOML, JSON)."""
+    return validate(_build(TrainConfig, data))
+
+
+def load_toml(path: str | Path) -> TrainConfig:
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"cannot read config {p}: {e.strerror or e}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    return from_dict(data)
+
+
+def to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def override(cfg: TrainConfig, **values: Any) -> TrainConfig:
+    """A copy with dotted keys replaced (``{"optim.lr": 1e-3, "steps": 10}``);
+    None values are ignored (an unset CLI flag)."""
+    data = to_dict(cfg)
+    for key, value in values.items():
+        if value is None:
+            continue
+        *path, last = key.split(".")
+        node = data
+        for part in path:
+            node = node[part]
+        node[last] = value
+    return from_dict(data)
+
+
+def resolve_shape(shape: ModelShape) -> dict[str, Any]:
+    """The model dimensions: the preset's values overridden by explicit ones."""
+    base: dict[str, Any] = {}
+    if shape.preset is not None:
+        if shape.preset not in PRESETS:
+            raise ConfigError(f"model.preset {shape.preset!r} is not one of {', '.join(PRESETS)}")
+        base.update(PRESETS[shape.preset])
+    for k in ("d_model", "n_layer", "n_head", "n_head_kv", "d_ff", "head_dim", "rope_base"):
+        v = getattr(shape, k)
+        if v is not None:
+            base[k] = v
+    missing = [k for k in ("d_model", "n_layer", "n_head", "d_ff") if base.get(k) is None]
+    if missing:
+        raise ConfigError(f"model.{missing[0]} is needed (no preset gives it)")
+    base.setdefault("n_head_kv", base["n_head"])
+    base.setdefault("rope_base", 10000.0)
+    if not base.get("head_dim"):
+        if base["d_model"] % base["n_head"]:
+            raise ConfigError(f"model.d_model={base['d_model']} is not a multiple of n_head={base['n_head']}")
+        base["head_dim"] = base["d_model"] // base["n_head"]
+    for k in ("d_model", "n_layer", "n_head", "n_head_kv", "d_ff", "head_dim"):
+        if base[k] < 1:
+            raise ConfigError(f"model.{k}={base[k]} must be >= 1")
+    if base["n_head"] % base["n_head_kv"]:
+        raise ConfigError(f"model.n_head={base['n_head']} is not a multiple of n_head_kv={base['n_head_kv']}")
+    if base["head_dim"] % 2:
+        raise ConfigError(f"model.head_dim={base['head_dim']} must be even (RoPE rotates pairs)")
+    base["norm_eps"] = shape.norm_eps
+    base["tied_output"] = shape.tied_output
+    return base
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    checks = [
+        (cfg.steps >= 1, f"steps={cfg.steps} must be >= 1"),
+        (cfg.batch_size >= 1, f"batch_size={cfg.batch_size} must be >= 1"),
+        (cfg.context >= 2, f"context={cfg.context} must be >= 2"),
+        (cfg.grad_accum >= 1, f"grad_accum={cfg.grad_accum} must be >= 1"),
+        (cfg.eval_every >= 0, f"eval_every={cfg.eval_every} must be >= 0"),
+        (cfg.eval_batches >= 0, f"eval_batches={cfg.eval_batches} must be >= 0"),
+        (cfg.save_every >= 0, f"save_every={cfg.save_every} must be >= 0"),
+        (cfg.keep_checkpoints >= 0, f"keep_checkpoints={cfg.keep_checkpoints} must be >= 0"),
+        (cfg.sample_every >= 0, f"sample_every={cfg.sample_every} must be >= 0"),
+        (cfg.sample_tokens >= 0, f"sample_tokens={cfg.sample_tokens} must be >= 0"),
+        (cfg.threads is None or cfg.threads >= 1, f"threads={cfg.threads} must be >= 1"),
+        (0 <= cfg.data.val_fraction < 1, f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1)"),
+        (cfg.tokenizer.vocab_size >= 257, f"tokenizer.vocab_size={cfg.tokenizer.vocab_size} must be >= 257"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)
+    cfg.optim.validate()
+    resolve_shape(cfg.model)
+    return cfg
+
+
+__all__ = [
+    "PRESETS",
+    "ConfigError",
+    "DataConfig",
+    "ModelShape",
+    "TokenizerConfig",
+    "TrainConfig",
+    "from_dict",
+    "load_toml",
+    "override",
+    "resolve_shape",
+    "to_dict",
+    "validate",
+]

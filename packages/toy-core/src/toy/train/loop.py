@@ -1,0 +1,380 @@
+"""The training run: tokenizer, data, model, the step loop, events, checkpoints.
+
+``train(cfg, hooks)`` starts a from-scratch run; ``resume(run_dir, hooks)``
+continues one from its latest checkpoint. Both write the run bundle
+(DESIGN.md section 5) through ``toy.runs.RunWriter``:
+
+- ``run_start``: config, model dims and parameter count, data statistics
+  (tokens, windows, the unigram baseline in nats/token), tokenizer source;
+- ``step`` after every optimizer step: step, loss (mean NLL of the step's
+  target tokens), lr, tokens (seen so far), tokens_per_s, grad_norm (before
+  clipping), wall_us, epoch;
+- ``eval`` every ``eval_every`` steps and at the end: name "val", loss, ppl;
+- ``sample`` at ``sample_every`` (default: with each checkpoint): a greedy
+  continuation of the sample prompt;
+- ``checkpoint`` when one is written; ``resume`` when a run is continued
+  (appended to the same events file, after the earlier ``run_end``: a
+  reader takes the last ``run_end`` as the run's status, and a step number
+  seen twice means the later one);
+- ``run_end``: reason completed | interrupted | errored, final_step, final_loss.
+
+Stopping: ``hooks.should_stop()`` is polled after every step; when it says
+yes the run saves a checkpoint, writes ``run_end`` with reason
+"interrupted" and returns. A non-finite loss stops the run with
+``TrainingDivergedError`` (after ``run_end`` "errored"); the last checkpoint
+stays the previous good one.
+
+Exactness: a run's randomness is its seed (initial weights, data order) and
+the state saved with every checkpoint (parameters, AdamW moments, step, data
+cursor, RNG state), so resuming gives the same losses, bit for bit, as a run
+that never stopped, on the same device and thread count.
+
+Document separators: ``<|endoftext|>`` when the tokenizer has it, else its
+end-of-sequence token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from toy.errors import ToyError
+from toy.models.llama import LlamaConfig
+from toy.train import checkpoint
+from toy.train.config import TrainConfig, from_dict, resolve_shape, to_dict
+from toy.train.engine import TrainEngine
+from toy.train.llama import LlamaTrain, init_params
+from toy.train.optim import lr_at
+
+
+class TrainingDivergedError(ToyError):
+    """The loss became NaN or infinite."""
+
+
+@dataclass
+class Hooks:
+    """Callbacks of a run (all optional). ``progress(info)`` after every step
+    with the step event's fields plus ``total``; ``note(text)`` for log
+    lines (tokenizer training, token cache, checkpoints, evals);
+    ``should_stop()`` polled after every step; ``phase(label, done, total)``
+    for the long set-up work (tokenizer training, tokenizing the corpus)."""
+
+    progress: Callable[[dict[str, Any]], None] | None = None
+    note: Callable[[str], None] | None = None
+    should_stop: Callable[[], bool] | None = None
+    phase: Callable[[str, int, int], None] | None = None
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    run_dir: Path
+    reason: str
+    final_step: int
+    final_loss: float | None
+    val_loss: float | None
+    checkpoint: Path | None
+
+
+def _threads(n: int | None) -> int:
+    if n:
+        return n
+    return max(1, (os.cpu_count() or 2) // 2) if (os.cpu_count() or 1) > 2 else (os.cpu_count() or 1)
+
+
+def _tokenizer(cfg: TrainConfig, hooks: Hooks) -> tuple[dict[str, Any], str]:
+    """(tokenizer.* metadata, description of where it came from)."""
+    if cfg.tokenizer.model:
+        from toy import store
+        from toy.gguf import GGUFFile
+
+        path = store.resolve_or_fetch(cfg.tokenizer.model)
+        with GGUFFile(path) as gf:
+            meta = checkpoint.tokenizer_metadata_of(gf)
+        if "tokenizer.ggml.tokens" not in meta:
+            raise ToyError(f"{path}: has no tokenizer to take")
+        return meta, f"model:{path}"
+    from toy.train.bpe import METADATA_TYPES, train_bpe
+
+    if hooks.note:
+        hooks.note(f"training a {cfg.tokenizer.vocab_size}-token byte-level BPE tokenizer on the corpus")
+    prog = (lambda d, t: hooks.phase("training tokenizer", d, t)) if hooks.phase else None
+    meta = train_bpe(cfg.data.paths, cfg.tokenizer.vocab_size, progress=prog)
+    # llama.cpp reads the special token ids as UINT32 only
+    meta = {k: (v, METADATA_TYPES[k]) if k in METADATA_TYPES else v for k, v in meta.items()}
+    return meta, "trained-bpe"
+
+
+def _plain(meta: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v[0] if isinstance(v, tuple) else v) for k, v in meta.items()}
+
+
+def _doc_separator(tok) -> int:
+    i = tok.token_to_id("<|endoftext|>")
+    if i is not None:
+        return i
+    eos = tok.vocab.special.get("eos")
+    if eos is None:
+        raise ToyError("the tokenizer has neither <|endoftext|> nor an end-of-sequence token")
+    return int(eos)
+
+
+class _Run:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        hooks: Hooks,
+        resume_from: Path | None = None,
+        ckpt: checkpoint.Resumable | None = None,
+    ):
+        import toy_ggml
+        from toy.runs import RunWriter
+        from toy.tokenizer import Tokenizer
+        from toy.train import data as D
+
+        self.cfg, self.hooks = cfg, hooks
+        if ckpt is not None:
+            tok_meta, tok_source = ckpt.tokenizer_metadata, ckpt.state.get("tokenizer_source", "checkpoint")
+        else:
+            if not cfg.data.paths:
+                raise ToyError("no training data: give files or folders (data.paths)")
+            tok_meta, tok_source = _tokenizer(cfg, hooks)
+        self.tok_meta = tok_meta
+        self.tokenizer = Tokenizer.from_gguf(_plain(tok_meta))
+        eos = _doc_separator(self.tokenizer)
+        from toy.store import toy_home
+
+        cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else toy_home() / "cache" / "tokens"
+        prog = (lambda d, t: hooks.phase("tokenizing corpus", d, t)) if hooks.phase else None
+        self.cache = D.TokenCache.build(cfg.data.paths, self.tokenizer, eos_id=eos, cache_dir=cache_dir, progress=prog)
+        self.data = D.PackedData(
+            self.cache, cfg.context, val_fraction=cfg.data.val_fraction, block_causal=cfg.data.block_causal
+        )
+        self.data.check_batch(cfg.batch_size)
+        shape = resolve_shape(cfg.model)
+        self.model_cfg = LlamaConfig(
+            n_vocab=self.tokenizer.vocab_size,
+            d_model=shape["d_model"],
+            n_layer=shape["n_layer"],
+            n_head=shape["n_head"],
+            n_head_kv=shape["n_head_kv"],
+            head_dim=shape["head_dim"],
+            d_ff=shape["d_ff"],
+            rms_eps=shape["norm_eps"],
+            rope_base=shape["rope_base"],
+            rope_dims=shape["head_dim"],
+            rope_mode="normal",
+            tied_output=shape["tied_output"],
+            context_length=cfg.context,
+        )
+        params = ckpt.params if ckpt else init_params(self.model_cfg, cfg.seed)
+        self.runtime = toy_ggml.Runtime(cfg.device, threads=_threads(cfg.threads))
+        self.engine = TrainEngine(
+            LlamaTrain(self.model_cfg),
+            params,
+            self.runtime,
+            cfg.optim,
+            batch=cfg.batch_size,
+            context=cfg.context,
+            accum=cfg.grad_accum,
+        )
+        st = ckpt.state if ckpt else {}
+        if ckpt:
+            self.engine.load_state(ckpt.params, ckpt.optimizer, ckpt.step)
+        self.stream = D.BatchStream(self.data, cfg.batch_size, cfg.seed, state=st.get("data"))
+        self.rng = np.random.default_rng(cfg.seed)
+        if "rng" in st:
+            self.rng.bit_generator.state = st["rng"]
+        self.tokens_seen = int(st.get("tokens_seen", 0))
+        self.val = D.validation_batches(self.data, cfg.batch_size, cfg.eval_batches or None) if self.data.n_val else []
+        self.n_params = int(sum(int(np.prod(s.shape)) for s in self.engine.specs))
+        self.tok_source = tok_source
+        if ckpt:
+            self.writer = RunWriter.reopen(resume_from)
+            self.writer.event("resume", from_step=ckpt.step, checkpoint=ckpt.model_path.name)
+        else:
+            self.writer = RunWriter(
+                "train",
+                to_dict(cfg),
+                root=cfg.out,
+                recipe="from-scratch",
+                model=dataclasses.asdict(self.model_cfg),
+                n_params=self.n_params,
+                data={
+                    "tokens": self.cache.n_tokens,
+                    "documents": self.cache.n_docs,
+                    "train_windows": self.data.n_train,
+                    "val_windows": self.data.n_val,
+                    "unigram_nats": D.unigram_entropy(self.cache.tokens, self.tokenizer.vocab_size),
+                },
+                tokenizer=tok_source,
+            )
+        self.ckpt_dir = self.writer.dir / "checkpoints"
+        self.last_loss: float | None = None
+        self.last_val: float | None = None
+        self.last_ckpt: Path | None = ckpt.model_path if ckpt else None
+        self.saved_step = ckpt.step if ckpt else -1
+
+    # -------------------------------------------------------------- pieces
+
+    def evaluate(self) -> float | None:
+        if not self.val:
+            return None
+        tot, n = 0.0, 0
+        for b in self.val:
+            s, k = self.engine.eval_nll(b)
+            tot += s
+            n += k
+        loss = tot / max(1, n)
+        self.last_val = loss
+        step = self.engine.step
+        self.writer.event("eval", step=step, name="val", loss=loss, ppl=math.exp(min(loss, 700.0)), tokens=n)
+        if self.hooks.note:
+            self.hooks.note(f"step {step}: validation loss {loss:.4f} (ppl {math.exp(min(loss, 700.0)):.2f})")
+        return loss
+
+    def sample(self) -> None:
+        cfg = self.cfg
+        if cfg.sample_tokens == 0:
+            return
+        if cfg.sample_prompt:
+            ids = self.tokenizer.encode(cfg.sample_prompt, add_special=False)
+        else:
+            first = self.val[0] if self.val else self.stream_peek()
+            ids = [int(x) for x in first.tokens[0][: min(8, cfg.context // 2)]]
+        prompt = self.tokenizer.decode(ids)
+        out: list[int] = []
+        for _ in range(cfg.sample_tokens):
+            if len(ids) + len(out) >= cfg.context:
+                break
+            nxt = int(np.argmax(self.engine.next_token_logits(ids + out)))
+            out.append(nxt)
+        self.writer.event("sample", step=self.engine.step, prompt=prompt, text=self.tokenizer.decode(out), greedy=True)
+
+    def stream_peek(self):
+        from toy.train import data as D
+
+        return D.BatchStream(self.data, self.cfg.batch_size, self.cfg.seed).next()
+
+    def save(self) -> None:
+        step = self.engine.step
+        if step == self.saved_step:
+            return
+        state = {
+            "config": to_dict(self.cfg),
+            "data": self.stream.state(),
+            "rng": self.rng.bit_generator.state,
+            "tokens_seen": self.tokens_seen,
+            "tokenizer_source": self.tok_source,
+        }
+        path = checkpoint.save(
+            self.ckpt_dir,
+            step=step,
+            cfg=self.model_cfg,
+            params=self.engine.param_values(),
+            optimizer=self.engine.optimizer_state(),
+            tokenizer_metadata=self.tok_meta,
+            state=state,
+            run_id=self.writer.run_id,
+            keep=self.cfg.keep_checkpoints,
+        )
+        self.saved_step = step
+        self.last_ckpt = path
+        self.writer.event("checkpoint", step=step, path=str(path.relative_to(self.writer.dir)))
+        if self.hooks.note:
+            self.hooks.note(f"step {step}: checkpoint {path}")
+
+    # -------------------------------------------------------------- loop
+
+    def run(self) -> RunResult:
+        cfg, eng, hooks = self.cfg, self.engine, self.hooks
+        reason = "completed"
+        per_step_tokens = cfg.batch_size * cfg.context * cfg.grad_accum
+        sample_every = cfg.sample_every or cfg.save_every
+        try:
+            while eng.step < cfg.steps:
+                t0 = time.perf_counter()
+                batches = [self.stream.next() for _ in range(cfg.grad_accum)]
+                lr = lr_at(cfg.optim, eng.step, cfg.steps)
+                r = eng.train_step(batches, lr)
+                dt = time.perf_counter() - t0
+                self.tokens_seen += per_step_tokens
+                if not math.isfinite(r.loss):
+                    raise TrainingDivergedError(
+                        f"the loss became {r.loss} at step {eng.step}",
+                        hint="lower the learning rate (optim.lr) or keep gradient clipping on",
+                    )
+                self.last_loss = r.loss
+                ev = dict(
+                    step=eng.step,
+                    loss=r.loss,
+                    lr=lr,
+                    tokens=self.tokens_seen,
+                    tokens_per_s=per_step_tokens / dt,
+                    grad_norm=r.grad_norm,
+                    wall_us=int(dt * 1e6),
+                    epoch=self.stream.epoch,
+                )
+                self.writer.event("step", **ev)
+                if hooks.progress:
+                    hooks.progress({**ev, "total": cfg.steps})
+                last = eng.step == cfg.steps
+                if (cfg.eval_every and eng.step % cfg.eval_every == 0) and not last:
+                    self.evaluate()
+                if sample_every and eng.step % sample_every == 0 and not last:
+                    self.sample()
+                if cfg.save_every and eng.step % cfg.save_every == 0 and not last:
+                    self.save()
+                if hooks.should_stop and hooks.should_stop() and not last:
+                    reason = "interrupted"
+                    break
+            if reason == "completed":
+                self.evaluate()
+                self.sample()
+            self.save()
+        except BaseException as e:
+            self.writer.end(
+                "interrupted" if isinstance(e, KeyboardInterrupt) else "errored",
+                final_step=eng.step,
+                final_loss=self.last_loss,
+                error=f"{type(e).__name__}: {e}",
+            )
+            raise
+        finally:
+            eng.close()
+        self.writer.end(reason, final_step=eng.step, final_loss=self.last_loss, val_loss=self.last_val)
+        return RunResult(
+            self.writer.run_id, self.writer.dir, reason, eng.step, self.last_loss, self.last_val, self.last_ckpt
+        )
+
+
+def train(cfg: TrainConfig, hooks: Hooks | None = None) -> RunResult:
+    """Train a llama-family model from scratch as ``cfg`` says."""
+    return _Run(cfg, hooks or Hooks()).run()
+
+
+def resume(run_dir: str | Path, hooks: Hooks | None = None, *, steps: int | None = None) -> RunResult:
+    """Continue the run in ``run_dir`` from its latest checkpoint, with the
+    config it recorded (``steps`` may raise the total: the schedule then
+    stretches, so the curve is no longer the uninterrupted one)."""
+    run_dir = Path(run_dir)
+    ck = checkpoint.load(run_dir / "checkpoints")
+    cfg = from_dict(ck.state["config"])
+    if steps is not None:
+        cfg = dataclasses.replace(cfg, steps=steps)
+    if ck.step >= cfg.steps:
+        raise checkpoint.CheckpointError(
+            f"{run_dir}: already at step {ck.step} of {cfg.steps}", hint="pass --steps N with a larger N to go on"
+        )
+    return _Run(cfg, hooks or Hooks(), resume_from=run_dir, ckpt=ck).run()
+
+
+__all__ = ["Hooks", "RunResult", "TrainingDivergedError", "resume", "train"]
