@@ -33,6 +33,8 @@ import numpy as np
 
 from toy.errors import BadInputError
 from toy.gguf import GGUFFile, GGUFWriter
+from toy.gguf.constants import ValueType
+from toy.gguf.reader import TypeInfo
 from toy.models.llama import LlamaConfig
 
 _STEP_RE = re.compile(r"^step_(\d+)\.gguf$")
@@ -43,9 +45,11 @@ class CheckpointError(BadInputError):
 
 
 def llama_metadata(cfg: LlamaConfig, name: str) -> dict[str, Any]:
-    """The llama.cpp metadata of a llama model of this config (F32 weights)."""
+    """The llama.cpp metadata of a llama model of this config (F32 weights):
+    key -> value, or (value, TypeInfo) where llama.cpp insists on a type
+    (it refuses a file whose counts are INT32 instead of UINT32)."""
     a = "llama"
-    return {
+    out = {
         "general.architecture": a,
         "general.name": name,
         "general.file_type": 0,
@@ -62,6 +66,8 @@ def llama_metadata(cfg: LlamaConfig, name: str) -> dict[str, Any]:
         f"{a}.rope.freq_base": float(cfg.rope_base),
         f"{a}.attention.layer_norm_rms_epsilon": float(cfg.rms_eps),
     }
+    u32 = TypeInfo(ValueType.UINT32)
+    return {k: (v, u32) if isinstance(v, int) else v for k, v in out.items()}
 
 
 @dataclass
@@ -116,9 +122,7 @@ def save(
     folder.mkdir(parents=True, exist_ok=True)
     model_path = folder / f"step_{step}.gguf"
     w = GGUFWriter(model_path)
-    for k, v in llama_metadata(cfg, run_id).items():
-        w.add(k, v)
-    for k, v in tokenizer_metadata.items():
+    for k, v in {**llama_metadata(cfg, run_id), **tokenizer_metadata}.items():
         if isinstance(v, tuple):
             w.add(k, v[0], v[1])
         else:

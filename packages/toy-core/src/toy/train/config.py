@@ -138,7 +138,7 @@ def _build(cls, data: dict[str, Any], prefix: str = ""):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ConfigError(f"unknown key {prefix}{unknown[0]!r}", hint=f"known keys here: {', '.join(sorted(fields))}")
+        raise ConfigError(f"unknown key '{prefix}{unknown[0]}'", hint=f"known keys here: {', '.join(sorted(fields))}")
     kw = {}
     for name, value in data.items():
         hint = hints[name]
@@ -235,7 +235,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
-    cfg.optim.validate()
+    try:
+        cfg.optim.validate()
+    except BadInputError as e:
+        raise ConfigError(f"optim.{e}") from None
     resolve_shape(cfg.model)
     return cfg
 

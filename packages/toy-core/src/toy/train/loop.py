@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,9 +84,9 @@ class RunResult:
 
 
 def _threads(n: int | None) -> int:
-    if n:
-        return n
-    return max(1, (os.cpu_count() or 2) // 2) if (os.cpu_count() or 1) > 2 else (os.cpu_count() or 1)
+    import toy_ggml
+
+    return n or toy_ggml.default_threads()
 
 
 def _tokenizer(cfg: TrainConfig, hooks: Hooks) -> tuple[dict[str, Any], str]:
