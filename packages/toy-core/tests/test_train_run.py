@@ -307,3 +307,36 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(corpus, tmp_path, monk
     assert ev[-1]["kind"] == "run_end" and ev[-1]["reason"] == "errored"
     r = resume(run_dir)
     assert r.final_step == 8 and checkpoint.latest_step(ck) == 8
+
+
+@pytest.mark.model
+def test_tokenizer_taken_from_a_gguf_model(corpus, tmp_path, smollm2_path):
+    """--tokenizer MODEL: the checkpoint embeds that model's tokenizer
+    exactly (same tokens, types and merges) and the vocabulary sizes the model."""
+    from toy.gguf import GGUFFile
+
+    cfg = make_cfg(
+        corpus,
+        tmp_path,
+        steps=2,
+        batch_size=2,
+        context=16,
+        save_every=0,
+        eval_every=0,
+        sample_tokens=4,
+        **{"tokenizer.model": str(smollm2_path)},
+    )
+    r = train(cfg)
+    with GGUFFile(r.run_dir / "checkpoints" / "step_2.gguf") as out, GGUFFile(smollm2_path) as src:
+        for key in (
+            "tokenizer.ggml.tokens",
+            "tokenizer.ggml.merges",
+            "tokenizer.ggml.token_type",
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.chat_template",
+        ):
+            assert list(np.atleast_1d(out.metadata[key])) == list(np.atleast_1d(src.metadata[key])), key
+            assert out.types[key] == src.types[key], key
+        assert out.tensors["token_embd.weight"].shape[0] == 49152
+    start = events(r.run_dir)[0]
+    assert start["tokenizer"].startswith("model:") and start["model"]["n_vocab"] == 49152
