@@ -48,6 +48,12 @@ def test_from_scratch_then_json_summary(work):
     assert out["reason"] == "completed" and out["final_step"] == 3
     assert Path(work / out["checkpoint"]).is_file()
     assert "step 3/3" in r.stderr  # progress lines on stderr when it is not a terminal
+    # the checkpoint's context is the training context (32): infer's default
+    # budget shrinks to fit instead of refusing
+    r = run(["infer", str(work / out["checkpoint"]), "The", "--greedy", "--ignore-eos", "--json"], work)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert len(res["prompt_ids"]) + len(res["tokens"]) == 32
 
 
 def test_sigterm_saves_and_resume_finishes(work):
@@ -97,6 +103,8 @@ def test_bad_input_exits_2(work):
     (work / "bad.toml").write_text("stepz = 3\n")
     r = run(["train", "from-scratch", "corpus", "--config", "bad.toml"], work)
     assert r.returncode == 2 and "error: unknown key 'stepz'" in r.stderr
+    r = run(["train", "from-scratch", *SMALL], work)
+    assert r.returncode == 2 and "no training data" in r.stderr
     r = run(["train", "from-scratch", "nowhere"], work)
     assert r.returncode == 2 and "error:" in r.stderr and "nowhere" in r.stderr
     (work / "empty").mkdir()

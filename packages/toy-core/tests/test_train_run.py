@@ -99,9 +99,9 @@ def test_resume_is_exact(corpus, tmp_path):
     full = train(make_cfg(corpus, tmp_path / "a", **kw))
     stop_at = {"n": 0}
 
-    def should_stop():
+    def should_stop():  # polled before each step: the 5th poll comes after step 4
         stop_at["n"] += 1
-        return stop_at["n"] == 4
+        return stop_at["n"] == 5
 
     half = train(make_cfg(corpus, tmp_path / "b", **kw), Hooks(should_stop=should_stop))
     assert half.reason == "interrupted" and half.final_step == 4

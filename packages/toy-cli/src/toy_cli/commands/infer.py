@@ -10,6 +10,7 @@ after printing what it has, `toy chat` returns to its prompt.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import sys
@@ -170,7 +171,12 @@ def infer(
         bool, typer.Option("--chat", help="Send the prompt as a user message through the chat template.")
     ] = False,
     system: System = None,
-    max_tokens: MaxTok = 256,
+    max_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--max-tokens", "-n", help="Most tokens to generate (default 256, or what the context has room for)."
+        ),
+    ] = None,
     temperature: Temp = 0.8,
     top_k: TopK = 40,
     top_p: TopP = 0.95,
@@ -197,7 +203,7 @@ def infer(
 ) -> None:
     """Generate text from a prompt, streaming it to stdout (timings on stderr)."""
     params = _sampling(
-        max_tokens=max_tokens,
+        max_tokens=256 if max_tokens is None else max_tokens,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
@@ -222,6 +228,10 @@ def infer(
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
         with _errors():
             ids = m.prompt_ids(messages if chat else text)
+            if max_tokens is None and len(ids) < m.n_ctx:
+                # the default budget shrinks to fit a small context (e.g. a checkpoint
+                # trained with 128-token windows); an explicit -n is kept as asked
+                params = dataclasses.replace(params, max_tokens=min(params.max_tokens, m.n_ctx - len(ids)))
             stream = m.stream(ids, params)
         with _sigint_flag() as flag:
             for chunk in stream:

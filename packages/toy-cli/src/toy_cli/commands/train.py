@@ -126,7 +126,7 @@ class _Bar:
             self.bar = None
 
 
-def _finish(result, as_json: bool, sig) -> None:
+def _finish(result, as_json: bool, sig, quiet: bool = False) -> None:
     if as_json:
         typer.echo(
             json.dumps(
@@ -143,12 +143,14 @@ def _finish(result, as_json: bool, sig) -> None:
         )
     else:
         typer.echo(str(result.run_dir))
-        print(
-            f"{result.reason} at step {result.final_step}: loss {result.final_loss}"
-            + (f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else "")
-            + (f"; checkpoint {result.checkpoint}" if result.checkpoint else ""),
-            file=sys.stderr,
-        )
+        if not quiet:
+            loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "-"
+            print(
+                f"{result.reason} at step {result.final_step}: loss {loss}"
+                + (f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else "")
+                + (f"; checkpoint {result.checkpoint}" if result.checkpoint else ""),
+                file=sys.stderr,
+            )
     if result.reason == "interrupted" and sig == signal.SIGINT:
         raise typer.Exit(130)
 
@@ -165,7 +167,7 @@ def _run(fn, quiet: bool, as_json: bool):
             result = fn(hooks)
         finally:
             bar.close()
-    _finish(result, as_json, st["signal"])
+    _finish(result, as_json, st["signal"], quiet)
 
 
 @train_app.callback()
@@ -218,8 +220,14 @@ def from_scratch(
     seed: Annotated[int | None, typer.Option("--seed", rich_help_panel=_P)] = None,
     eval_every: Annotated[int | None, typer.Option("--eval-every", rich_help_panel=_P)] = None,
     save_every: Annotated[int | None, typer.Option("--save-every", rich_help_panel=_P)] = None,
-    out: Annotated[Path | None, typer.Option("--out", help="Runs folder (default ./runs).", rich_help_panel=_P)] = None,
-    device: Annotated[str | None, typer.Option("--device", rich_help_panel=_P)] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="Runs folder (default: $TOY_RUNS_DIR, else ./runs).", rich_help_panel=_P),
+    ] = None,
+    device: Annotated[
+        str | None,
+        typer.Option("--device", help="cpu, cuda0, ... (default: TOY_DEVICE, else cpu).", rich_help_panel=_P),
+    ] = None,
     threads: Annotated[int | None, typer.Option("--threads", "-t", rich_help_panel=_P)] = None,
     lr: Annotated[float | None, typer.Option("--lr", rich_help_panel=_O)] = None,
     schedule: Annotated[

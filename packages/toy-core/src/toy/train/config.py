@@ -94,7 +94,7 @@ class TrainConfig:
     sample_every: int = 0  # 0: a sample at each save
     sample_prompt: str = ""  # empty: the start of the first validation window
     sample_tokens: int = 32
-    device: str = "cpu"
+    device: str | None = None  # None: $TOY_DEVICE, else the CPU
     threads: int | None = None  # default: physical cores
     out: str | None = None  # runs folder (default: $TOY_RUNS_DIR or ./runs)
 

@@ -18,8 +18,9 @@ continues one from its latest checkpoint. Both write the run bundle
   seen twice means the later one);
 - ``run_end``: reason completed | interrupted | errored, final_step, final_loss.
 
-Stopping: ``hooks.should_stop()`` is polled after every step; when it says
-yes the run saves a checkpoint, writes ``run_end`` with reason
+Stopping: ``hooks.should_stop()`` is polled before every step (so a stop
+asked for while the corpus is being tokenized ends the run at step 0); when
+it says yes the run saves a checkpoint, writes ``run_end`` with reason
 "interrupted" and returns. A non-finite loss stops the run with
 ``TrainingDivergedError`` (after ``run_end`` "errored"); the last checkpoint
 stays the previous good one.
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from toy.errors import ToyError
+from toy.errors import BadInputError, ToyError
 from toy.models.llama import LlamaConfig
 from toy.train import checkpoint
 from toy.train.config import TrainConfig, from_dict, resolve_shape, to_dict
@@ -144,7 +146,7 @@ class _Run:
             tok_meta, tok_source = ckpt.tokenizer_metadata, ckpt.state.get("tokenizer_source", "checkpoint")
         else:
             if not cfg.data.paths:
-                raise ToyError("no training data: give files or folders (data.paths)")
+                raise BadInputError("no training data: give files or folders (data.paths)")
             tok_meta, tok_source = _tokenizer(cfg, hooks)
         self.tok_meta = tok_meta
         self.tokenizer = Tokenizer.from_gguf(_plain(tok_meta))
@@ -175,7 +177,9 @@ class _Run:
             context_length=cfg.context,
         )
         params = ckpt.params if ckpt else init_params(self.model_cfg, cfg.seed)
-        self.runtime = toy_ggml.Runtime(cfg.device, threads=_threads(cfg.threads))
+        self.runtime = toy_ggml.Runtime(
+            cfg.device or os.environ.get("TOY_DEVICE") or "cpu", threads=_threads(cfg.threads)
+        )
         self.engine = TrainEngine(
             LlamaTrain(self.model_cfg),
             params,
@@ -300,6 +304,9 @@ class _Run:
         sample_every = cfg.sample_every or cfg.save_every
         try:
             while eng.step < cfg.steps:
+                if hooks.should_stop and hooks.should_stop():
+                    reason = "interrupted"  # also before the first step (e.g. during tokenizing)
+                    break
                 t0 = time.perf_counter()
                 batches = [self.stream.next() for _ in range(cfg.grad_accum)]
                 lr = lr_at(cfg.optim, eng.step, cfg.steps)
@@ -332,9 +339,6 @@ class _Run:
                     self.sample()
                 if cfg.save_every and eng.step % cfg.save_every == 0 and not last:
                     self.save()
-                if hooks.should_stop and hooks.should_stop() and not last:
-                    reason = "interrupted"
-                    break
             if reason == "completed":
                 self.evaluate()
                 self.sample()
@@ -356,8 +360,13 @@ class _Run:
 
 
 def train(cfg: TrainConfig, hooks: Hooks | None = None) -> RunResult:
-    """Train a llama-family model from scratch as ``cfg`` says."""
-    return _Run(cfg, hooks or Hooks()).run()
+    """Train a llama-family model from scratch as ``cfg`` says. Data paths
+    are recorded absolute, so ``resume`` works from any folder."""
+    from toy.train.config import validate
+
+    cfg = validate(cfg)
+    data = dataclasses.replace(cfg.data, paths=[str(Path(p).expanduser().absolute()) for p in cfg.data.paths])
+    return _Run(dataclasses.replace(cfg, data=data), hooks or Hooks()).run()
 
 
 def resume(run_dir: str | Path, hooks: Hooks | None = None, *, steps: int | None = None) -> RunResult:
