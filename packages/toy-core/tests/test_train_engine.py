@@ -9,9 +9,11 @@ at each document) and masked targets.
 Tolerances: toy computes in float32, the reference in float64. Gradients are
 compared per tensor with ``|g - ref| <= 2e-4 * max|ref| + 1e-6`` (float32
 rounding through a few layers: measured errors are ~1e-6 relative); AdamW
-steps compare parameters after the update within 1e-5 absolute (the update
+steps compare parameters after the update within 5e-5 absolute: the update
 itself is ~lr = 1e-2, so a wrong bias correction, decay group or clip factor
-is off by ~1e-3 or more).
+is off by ~1e-3 or more, while Adam's division by sqrt(v) makes an element
+with a tiny gradient sensitive to its float32 rounding (measured up to
+~1.1e-5 when clipping scales the gradients by ~1/50).
 """
 
 from __future__ import annotations
@@ -194,7 +196,7 @@ def test_adamw_steps_match_torch(tmp_path, rt, clip):
         got = eng.param_values()
         for k in ref_params:
             err = float(np.abs(got[k] - ref_params[k]).max())
-            assert err < 1e-5, f"step {step} {k}: {err}"
+            assert err < 5e-5, f"step {step} {k}: {err}"
         # the reference continues from toy's parameters (float32), so
         # differences do not compound over the steps
         ref_params = {k: v.astype(np.float64) for k, v in got.items()}
@@ -236,7 +238,7 @@ def test_accumulated_step_matches_torch(tmp_path, rt):
     assert r1.grad_norm == pytest.approx(ref_norm, rel=1e-4)
     got = eng2.param_values()
     for k in ref_p:
-        assert float(np.abs(got[k] - ref_p[k]).max()) < 1e-5, k
+        assert float(np.abs(got[k] - ref_p[k]).max()) < 5e-5, k
     # the second step of the first engine saw the same batches from updated weights: loss went down
     assert r.loss < r1.loss
     eng.close()
