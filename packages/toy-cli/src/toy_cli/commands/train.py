@@ -69,7 +69,7 @@ class _Bar:
         self.task = None
         self.phases: dict[str, int] = {}
         self.last_line = 0.0
-        self.t0 = time.monotonic()
+        self.first: tuple[float, int] | None = None  # (time, step) of the first step seen
 
     def _ensure(self):
         if self.bar is None and self.tty and not self.quiet:
@@ -116,9 +116,16 @@ class _Bar:
             bar.update(self.task, completed=ev["step"], info=info)
             return
         now = time.monotonic()
+        if self.first is None:
+            self.first = (now, ev["step"])
         if now - self.last_line >= 5 or ev["step"] == ev["total"]:
             self.last_line = now
-            print(f"step {ev['step']}/{ev['total']} {info}", file=sys.stderr)
+            t0, s0 = self.first
+            eta = ""
+            if ev["step"] > s0:  # from this process's own pace (a resumed run starts later)
+                left = (ev["total"] - ev["step"]) * (now - t0) / (ev["step"] - s0)
+                eta = f" eta {int(left // 60)}:{int(left % 60):02d}"
+            print(f"step {ev['step']}/{ev['total']} {info}{eta}", file=sys.stderr)
 
     def close(self) -> None:
         if self.bar is not None:

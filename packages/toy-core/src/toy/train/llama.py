@@ -47,6 +47,32 @@ class LlamaTrain:
         )
 
 
+def model_config(shape, n_vocab: int, context: int) -> LlamaConfig:
+    """The LlamaConfig a from-scratch run trains: ``shape`` a
+    ``toy.train.config.ModelShape`` (preset and/or dimensions), RoPE over the
+    whole head in llama's "normal" pairing (what llama.cpp runs for
+    ``general.architecture = llama``), the context length = the training
+    context."""
+    from toy.train.config import resolve_shape
+
+    d = resolve_shape(shape)
+    return LlamaConfig(
+        n_vocab=n_vocab,
+        d_model=d["d_model"],
+        n_layer=d["n_layer"],
+        n_head=d["n_head"],
+        n_head_kv=d["n_head_kv"],
+        head_dim=d["head_dim"],
+        d_ff=d["d_ff"],
+        rms_eps=d["norm_eps"],
+        rope_base=d["rope_base"],
+        rope_dims=d["head_dim"],
+        rope_mode="normal",
+        tied_output=d["tied_output"],
+        context_length=context,
+    )
+
+
 def init_params(cfg: LlamaConfig, seed: int, std: float = 0.02) -> dict[str, np.ndarray]:
     """Seeded random starting values (see the module docstring)."""
     rng = np.random.default_rng(seed)
@@ -64,4 +90,4 @@ def init_params(cfg: LlamaConfig, seed: int, std: float = 0.02) -> dict[str, np.
     return out
 
 
-__all__ = ["LlamaTrain", "init_params"]
+__all__ = ["LlamaTrain", "init_params", "model_config"]

@@ -48,11 +48,10 @@ from typing import Any
 import numpy as np
 
 from toy.errors import BadInputError, ToyError
-from toy.models.llama import LlamaConfig
 from toy.train import checkpoint
-from toy.train.config import TrainConfig, from_dict, resolve_shape, to_dict
+from toy.train.config import TrainConfig, from_dict, to_dict
 from toy.train.engine import TrainEngine
-from toy.train.llama import LlamaTrain, init_params
+from toy.train.llama import LlamaTrain, init_params, model_config
 from toy.train.optim import lr_at
 
 
@@ -160,22 +159,7 @@ class _Run:
             self.cache, cfg.context, val_fraction=cfg.data.val_fraction, block_causal=cfg.data.block_causal
         )
         self.data.check_batch(cfg.batch_size)
-        shape = resolve_shape(cfg.model)
-        self.model_cfg = LlamaConfig(
-            n_vocab=self.tokenizer.vocab_size,
-            d_model=shape["d_model"],
-            n_layer=shape["n_layer"],
-            n_head=shape["n_head"],
-            n_head_kv=shape["n_head_kv"],
-            head_dim=shape["head_dim"],
-            d_ff=shape["d_ff"],
-            rms_eps=shape["norm_eps"],
-            rope_base=shape["rope_base"],
-            rope_dims=shape["head_dim"],
-            rope_mode="normal",
-            tied_output=shape["tied_output"],
-            context_length=cfg.context,
-        )
+        self.model_cfg = model_config(cfg.model, self.tokenizer.vocab_size, cfg.context)
         params = ckpt.params if ckpt else init_params(self.model_cfg, cfg.seed)
         self.runtime = toy_ggml.Runtime(
             cfg.device or os.environ.get("TOY_DEVICE") or "cpu", threads=_threads(cfg.threads)
