@@ -113,26 +113,11 @@ if not QUICK:
 
 
 def llama_config(preset: str, vocab: int, context: int):
-    """The LlamaConfig of a preset, built as ``toy.train.loop`` builds it."""
-    from toy.models.llama import LlamaConfig
-    from toy.train.config import ModelShape, resolve_shape
+    """The LlamaConfig of a preset, as ``toy train`` builds it."""
+    from toy.train.config import ModelShape
+    from toy.train.llama import model_config
 
-    shape = resolve_shape(ModelShape(preset=preset))
-    return LlamaConfig(
-        n_vocab=vocab,
-        d_model=shape["d_model"],
-        n_layer=shape["n_layer"],
-        n_head=shape["n_head"],
-        n_head_kv=shape["n_head_kv"],
-        head_dim=shape["head_dim"],
-        d_ff=shape["d_ff"],
-        rms_eps=shape["norm_eps"],
-        rope_base=shape["rope_base"],
-        rope_dims=shape["head_dim"],
-        rope_mode="normal",
-        tied_output=shape["tied_output"],
-        context_length=context,
-    )
+    return model_config(ModelShape(preset=preset), vocab, context)
 
 
 class Batch:
