@@ -5,7 +5,9 @@ Test folders are not on ``sys.path`` (pytest runs with
 once: ``import toy_test_models`` (tiny synthetic llama GGUF writer, local
 wheel lookup), ``import gguf_bytes`` (a raw GGUF byte builder) and
 ``from tiny_llama import write_tiny, VARIANTS`` (tiny seeded llama-family
-models covering every config variant, for forward and engine tests).
+models covering every config variant, for forward and engine tests),
+``import torch_llama`` (the float64 PyTorch training reference) and
+``from bench_side import Side`` (a benchmark's child process).
 
 ``record`` (benchmarks): print one figure as a JSON line on stdout with at
 least ``bench``, ``figure``, ``value`` and ``unit``, plus the context that
@@ -52,6 +54,7 @@ _HELPERS = {
     "toy_test_models": "packages/toy-core/tests/model_path.py",
     "gguf_bytes": "packages/toy-core/tests/gguf_bytes.py",
     "tiny_llama": "packages/toy-core/tests/tiny_llama.py",
+    "bench_side": "packages/toy-core/benchmarks/bench_side.py",
     "torch_llama": "packages/toy-core/tests/torch_llama.py",
 }
 

@@ -51,13 +51,12 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+from bench_side import Side
 
 pytestmark = pytest.mark.bench
 
@@ -143,46 +142,6 @@ def prompt_ids(smollm2_path, tmp_path_factory) -> Path:
     return path
 
 
-class Side:
-    """One side's benchmark process, driven line by line (see the scripts)."""
-
-    def __init__(self, name: str, argv: list[str], logdir: Path):
-        self.name = name
-        self.log = open(logdir / f"{name}.stderr", "w+")  # closed in close()
-        self.proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1
-        )
-        self._watchdog = threading.Timer(SIDE_TIMEOUT_S, self.proc.kill)
-        self._watchdog.daemon = True
-        self._watchdog.start()
-
-    def read(self) -> dict:
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                self.proc.wait()
-                self.log.seek(0)
-                tail = self.log.read()[-4000:]
-                raise RuntimeError(f"the {self.name} side exited (rc {self.proc.returncode}):\n{tail}")
-            if line.startswith("{"):
-                return json.loads(line)
-
-    def ask(self, cmd: str) -> dict:
-        self.proc.stdin.write(cmd + "\n")
-        self.proc.stdin.flush()
-        return self.read()
-
-    def close(self) -> None:
-        self._watchdog.cancel()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
-            if f is not None:
-                f.close()
-        self.log.close()
-
-
 def run_sides(model: Path, ids: Path, peer: str | None, logdir: Path) -> dict:
     """Start toy (then llama.cpp), wait for both to warm up, alternate the reps."""
     args = ["--model", str(model), "--ids", str(ids), "--threads", str(THREADS), "--n-ctx", str(N_CTX)]
@@ -190,10 +149,10 @@ def run_sides(model: Path, ids: Path, peer: str | None, logdir: Path) -> dict:
     sides: dict[str, Side] = {}
     out: dict = {"reps": {"toy": [], "peer": []}}
     try:
-        sides["toy"] = Side("toy", [sys.executable, str(TOY_SCRIPT), *args], logdir)
+        sides["toy"] = Side("toy", [sys.executable, str(TOY_SCRIPT), *args], logdir, timeout_s=SIDE_TIMEOUT_S)
         out["toy_ready"] = sides["toy"].read()
         if peer is not None:
-            sides["peer"] = Side("peer", [peer, str(PEER_SCRIPT), *args], logdir)
+            sides["peer"] = Side("peer", [peer, str(PEER_SCRIPT), *args], logdir, timeout_s=SIDE_TIMEOUT_S)
             out["peer_ready"] = sides["peer"].read()
         out["loadavg_before"] = os.getloadavg()[0]
         t0 = time.perf_counter()

@@ -77,13 +77,12 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+from bench_side import Side
 
 pytestmark = pytest.mark.bench
 
@@ -476,47 +475,12 @@ def side_main(argv: list[str]) -> None:
 # ---------------------------------------------------------------- the benchmark
 
 
-class Side:
-    """One side's process, driven line by line."""
-
-    def __init__(self, name: str, argv: list[str], logdir: Path):
-        self.name = name
-        self.log = open(logdir / f"{name}.stderr", "w+")  # closed in close()
-        env = dict(os.environ)
-        for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-            env[k] = str(THREADS)
-        self.proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1, env=env
-        )
-        self._watchdog = threading.Timer(SIDE_TIMEOUT_S, self.proc.kill)
-        self._watchdog.daemon = True
-        self._watchdog.start()
-
-    def read(self) -> dict:
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                self.proc.wait()
-                self.log.seek(0)
-                tail = self.log.read()[-4000:]
-                raise RuntimeError(f"the {self.name} side exited (rc {self.proc.returncode}):\n{tail}")
-            if line.startswith("{"):
-                return json.loads(line)
-
-    def ask(self, cmd: str) -> dict:
-        self.proc.stdin.write(cmd + "\n")
-        self.proc.stdin.flush()
-        return self.read()
-
-    def close(self) -> None:
-        self._watchdog.cancel()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
-            if f is not None:
-                f.close()
-        self.log.close()
+def side_env() -> dict:
+    """The environment of a side: BLAS/OpenMP pools sized to the benchmark's threads."""
+    env = dict(os.environ)
+    for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env[k] = str(THREADS)
+    return env
 
 
 def run_shape(preset: str, vocab: int, batch: int, context: int, k: int, logdir: Path) -> dict:
@@ -527,7 +491,13 @@ def run_shape(preset: str, vocab: int, batch: int, context: int, k: int, logdir:
     per_round = [k // ROUNDS + (1 if r < k % ROUNDS else 0) for r in range(ROUNDS)]
     try:
         for name in ("toy", "torch"):  # one after the other: the warm-ups do not overlap
-            sides[name] = Side(name, [sys.executable, str(THIS), "--side", name, *args], logdir)
+            sides[name] = Side(
+                name,
+                [sys.executable, str(THIS), "--side", name, *args],
+                logdir,
+                timeout_s=SIDE_TIMEOUT_S,
+                env=side_env(),
+            )
             out["ready"][name] = sides[name].read()
         out["loadavg_before"] = os.getloadavg()[0]
         t0 = time.perf_counter()
