@@ -41,6 +41,7 @@ def write_tiny_model(
     qkv_bias: bool = False,
     qk_norm: bool = False,
     extra_tensors: dict | None = None,
+    extra_metadata: dict | None = None,
     seed: int = 0,
 ):
     """A tiny seeded F32 model in GGUF (llama-style names and keys; gpt2 gets
@@ -80,6 +81,13 @@ def write_tiny_model(
     g.add("tokenizer.chat_template", "{% for m in messages %}{{ m.content }}{% endfor %}")
     g.add("toy.test.f64", 0.125, _t("FLOAT64"))
     g.add("toy.test.flag", True)
+    for key, value in (extra_metadata or {}).items():
+        if isinstance(value, list) and not value:  # an empty list is taken as a string array
+            from toy.gguf import TypeInfo, ValueType
+
+            g.add(key, value, TypeInfo(ValueType.ARRAY, TypeInfo(ValueType.STRING)))
+        else:
+            g.add(key, value)
 
     g.add_tensor("token_embd.weight", w(vocab, d))
     if arch == "gpt2":

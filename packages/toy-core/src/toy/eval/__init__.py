@@ -1,0 +1,44 @@
+"""Evaluation: per-token logprobs, perplexity the way llama.cpp's
+llama-perplexity computes it, the KL divergence and top-1 agreement of two
+models (judging a quantization or a merge), and linear mode connectivity
+between two checkpoints.
+
+- ``windows``: the scoring windows and the float64 log-softmax;
+- ``score``: ``logprobs``, ``perplexity``, ``compare`` over loaded models
+  (``toy.load``);
+- ``lmc``: the loss along θ(α) = (1 − α) θ_A + α θ_B;
+- ``record``: reading eval files and writing ``eval`` run bundles.
+
+The CLI is ``toy eval`` (toy-cli); the figures equal these functions'.
+"""
+
+from toy.eval.lmc import DEFAULT_ALPHAS, LMCPoint, LMCResult, lmc, parse_alphas
+from toy.eval.record import eval_run, read_eval_text
+from toy.eval.score import (
+    CompareResult,
+    LogprobsResult,
+    PerplexityResult,
+    TokenScore,
+    compare,
+    logprobs,
+    perplexity,
+    text_ids,
+)
+
+__all__ = [
+    "DEFAULT_ALPHAS",
+    "CompareResult",
+    "LMCPoint",
+    "LMCResult",
+    "LogprobsResult",
+    "PerplexityResult",
+    "TokenScore",
+    "compare",
+    "eval_run",
+    "lmc",
+    "logprobs",
+    "parse_alphas",
+    "perplexity",
+    "read_eval_text",
+    "text_ids",
+]
