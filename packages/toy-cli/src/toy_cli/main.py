@@ -23,6 +23,7 @@ import typer
 from toy_cli import __version__
 from toy_cli.commands import infer as infer_commands
 from toy_cli.commands import models as model_commands
+from toy_cli.commands import runs as runs_commands
 from toy_cli.commands import train as train_commands
 
 app = typer.Typer(
@@ -101,6 +102,7 @@ def devices(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -
 model_commands.register(app)  # list, describe, fetch, quantize
 infer_commands.register(app)  # infer, chat
 train_commands.register(app)  # train (from-scratch, --resume)
+runs_commands.register(app)  # runs (list, show, compare, plot)
 
 
 def _missing(name: str, dist: str):

@@ -96,6 +96,7 @@ class RunWriter:
             run_kind=kind,
             started_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             host={"name": platform.node(), "python": platform.python_version(), "machine": platform.machine()},
+            pid=os.getpid(),
             backend={"ggml": toy_ggml.GGML_VERSION, "build": toy_ggml.build_config.BACKEND},
             git=_git(),
             config=config,

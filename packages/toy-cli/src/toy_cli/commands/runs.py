@@ -1,0 +1,336 @@
+"""`toy runs`: list, show, compare and plot run bundles (``runs/<run_id>/``).
+
+Conventions (DESIGN.md section 6): tables and ``--json`` documents on
+stdout; warnings on stderr. A malformed events line is a warning naming the
+run and the line (``warning: run ID: events.jsonl line N: reason``) and never
+stops a command; a RUN that cannot be found or is ambiguous is bad input
+(exit 2, with a hint). RUN is a bundle folder, a run id or a unique id prefix
+in the runs folder (``--runs-dir``, else $TOY_RUNS_DIR, else ./runs).
+
+The reading is ``toy.runs.reader`` (imported inside the commands so
+``toy --help`` stays fast); plotting is ``toy.runs.plot`` and needs the
+``plot`` extra (matplotlib).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from toy_cli.commands.models import _cli_error, _errors
+
+runs_app = typer.Typer(
+    help="Read run bundles (runs/<run_id>/): list, show, compare and plot them.", no_args_is_help=True
+)
+
+RunsDir = Annotated[
+    Path | None, typer.Option("--runs-dir", help="The runs folder (default: $TOY_RUNS_DIR, else ./runs).")
+]
+AsJson = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+RunArgs = Annotated[list[str], typer.Argument(metavar="RUN...", help="Run folders, ids or unique id prefixes.")]
+# run_start "model" keys `show` prints (train: the dims; serve: the served file)
+SHOW_KEYS = ("path", "alias", "n_vocab", "d_model", "n_layer", "n_head", "n_head_kv", "d_ff", "context_length", "n_ctx")
+STATUS_STYLE = {"completed": "green", "interrupted": "yellow", "errored": "red", "running": "cyan"}
+
+
+def _root(runs_dir: Path | None) -> Path:
+    from toy.runs.writer import runs_dir as default_root
+
+    if runs_dir is not None and not runs_dir.is_dir():
+        raise _cli_error(f"{runs_dir}: not a folder", "pass the folder that holds the run folders", 2)
+    return default_root(runs_dir)
+
+
+def _warn(runs) -> None:
+    for r in runs:
+        for p in r.problems:
+            typer.echo(f"warning: run {r.id}: {p}", err=True)
+
+
+def _load(args: list[str], runs_dir: Path | None) -> list:
+    from toy.runs.reader import load_run, resolve_run
+
+    root = _root(runs_dir)
+    with _errors():
+        runs = [load_run(resolve_run(a, root)) for a in args]
+    _warn(runs)
+    return runs
+
+
+def _num(v: Any, spec: str = ".4f") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and spec == "speed":
+        return f"{v:,.0f}"
+    return format(v, spec) if isinstance(v, float) else str(v)
+
+
+def _dur(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 60:
+        return f"{s:.1f}s"
+    m, sec = divmod(int(s), 60)
+    return f"{m // 60}:{m % 60:02d}:{sec:02d}" if m >= 60 else f"{m}:{sec:02d}"
+
+
+def _value(v: Any) -> str:
+    return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+
+
+def _short(v: Any) -> str:
+    return f"{v:.6g}" if isinstance(v, float) else _value(v)
+
+
+def _table(columns: list[tuple[str, dict]], rows: list[list[Any]]) -> None:
+    """A rich table on stdout in the style of `toy list` (cells are data, never markup)."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for name, kw in columns:
+        table.add_column(name, **kw)
+    for row in rows:
+        table.add_row(*(c if isinstance(c, Text) else Text(str(c)) for c in row))
+    Console(width=None if sys.stdout.isatty() else 160, soft_wrap=False).print(table)
+
+
+def _status(status: str):
+    from rich.text import Text
+
+    return Text(status, style=STATUS_STYLE.get(status, "dim"))
+
+
+# -- toy runs list
+
+
+@runs_app.command("list")
+def list_cmd(
+    kind: Annotated[str | None, typer.Option("--kind", help="Only this kind: train, serve or eval.")] = None,
+    status: Annotated[
+        str | None,
+        typer.Option("--status", help="Only this status: completed, interrupted, errored, running, unfinished."),
+    ] = None,
+    sort: Annotated[
+        str, typer.Option("--sort", help="started (newest first), id, loss, val, steps, tokens_per_s, wall.")
+    ] = "started",
+    limit: Annotated[int | None, typer.Option("--limit", "-n", min=1, help="Show at most this many.")] = None,
+    as_json: AsJson = False,
+    runs_dir: RunsDir = None,
+) -> None:
+    """List the runs: id, kind, model, steps, final loss, best validation loss, tokens/s, status."""
+    from toy.runs.reader import list_runs
+
+    root = _root(runs_dir)
+    with _errors():
+        runs = list_runs(root, kind=kind, status=status, sort=sort)
+    runs = runs[:limit] if limit else runs
+    _warn(runs)
+    if as_json:
+        typer.echo(json.dumps([r.to_dict() for r in runs], indent=2, ensure_ascii=False))
+        return
+    if not runs:
+        typer.echo(f"no runs in {root}" + (" matching the filters" if kind or status else ""), err=True)
+        if not root.is_dir():
+            typer.echo("hint: --runs-dir or $TOY_RUNS_DIR name the runs folder", err=True)
+        return
+    columns = [("ID", {"overflow": "fold"}), ("KIND", {}), ("MODEL", {"overflow": "fold"})]
+    columns += [(c, {"justify": "right"}) for c in ("STEPS", "LOSS", "BEST VAL", "TOK/S")] + [("STATUS", {})]
+    rows = [
+        [r.id, r.kind, r.model, _num(r.steps), _num(r.final_loss), _num(r.best_val), _num(r.tokens_per_s, "speed")]
+        + [_status(r.status)]
+        for r in runs
+    ]
+    _table(columns, rows)
+
+
+# -- toy runs show
+
+
+def _requests(run) -> dict | None:
+    import statistics
+
+    reqs = run.of("request")
+    if not reqs:
+        return None
+
+    def median(key: str) -> float | None:
+        vals = [e[key] for e in reqs if isinstance(e.get(key), (int, float)) and not isinstance(e.get(key), bool)]
+        return statistics.median(vals) if vals else None
+
+    ok = sum(1 for e in reqs if isinstance(e.get("status"), int) and e["status"] < 400)
+    done = sum(e["completion_tokens"] for e in reqs if isinstance(e.get("completion_tokens"), int))
+    return {"count": len(reqs), "ok": ok, "failed": len(reqs) - ok, "completion_tokens": done,
+            "median_ttft_s": median("ttft_s"), "median_tok_s": median("tok_s")}  # fmt: skip
+
+
+def _spark_line(label: str, pts: list, spec: str) -> str:
+    from toy.runs.reader import sparkline
+
+    vals = [(s, v) for s, v in pts if v is not None]
+    if not vals:
+        return f"{label:<10} (no values)"
+    lo = min(vals, key=lambda p: p[1])
+    figs = f"first {vals[0][1]:{spec}} @{vals[0][0]}, last {vals[-1][1]:{spec}} @{vals[-1][0]}"
+    figs += f", min {lo[1]:{spec}} @{lo[0]}"
+    return f"{label:<10} {sparkline([v for _, v in pts], min(60, len(pts)))}  {figs}"
+
+
+def _clip(text: Any) -> str:
+    """Sample text on one line: JSON-escaped (newlines as \\n), at most 160 characters."""
+    return json.dumps("" if text is None else str(text), ensure_ascii=False)[:160]
+
+
+def _show_text(r, curves: dict, samples: list, checkpoints: list, requests: dict | None) -> None:
+    from toy.runs.reader import flatten
+
+    s = r.start
+    host = s.get("host", {}).get("name") if isinstance(s.get("host"), dict) else None
+    lines = [f"{'run':<10} {r.id}", f"{'folder':<10} {r.dir}", f"{'kind':<10} {r.kind} ({r.model})"]
+    at = f" at step {r.steps}" if r.steps is not None else ""
+    lines.append(f"{'status':<10} {r.status}{at}")
+    on = f" on {host}" if host else ""
+    lines.append(f"{'started':<10} {r.started_at or '-'}{on}, wall {_dur(r.wall_s)}")
+    lines.append(f"{'events':<10} {r.n_events}" + (f", {len(r.problems)} bad line(s)" if r.problems else ""))
+    for key in ("model", "model_b", "data"):
+        if isinstance(s.get(key), dict):
+            pairs = [(k, v) for k, v in s[key].items() if k in SHOW_KEYS or key == "data"]
+            lines.append(f"{key:<10} " + ", ".join(f"{k} {_short(v)}" for k, v in pairs))
+    flat = {k: v for k, v in flatten(r.config).items() if v is not None}
+    if flat:
+        lines += ["", "config"] + [f"  {k} = {_short(v)}" for k, v in flat.items()]
+    if curves["loss"]:
+        lines += ["", _spark_line("loss", curves["loss"], ".4f"), _spark_line("lr", curves["lr"], ".3g")]
+    for name, pts in curves["val"].items():
+        lines.append(_spark_line(name, pts, ".4f"))
+    typer.echo("\n".join(lines))
+    evals = r.of("eval")
+    if evals:
+        typer.echo("\nevals")
+        std = {"kind", "t", "step", "name", "loss", "ppl", "tokens"}
+        rows = []
+        for e in evals:
+            extra = ", ".join(f"{k}={_value(v)}" for k, v in e.items() if k not in std)
+            name = _value(e.get("name", "-"))
+            rows.append(
+                [_num(e.get("step")), name, _num(e.get("loss")), _num(e.get("ppl"), ".2f"), _num(e.get("tokens"))]
+            )
+            rows[-1].append(extra)
+        cols = [("STEP", {"justify": "right"}), ("NAME", {}), ("LOSS", {"justify": "right"})]
+        cols += [("PPL", {"justify": "right"}), ("TOKENS", {"justify": "right"}), ("EXTRA", {"overflow": "fold"})]
+        _table(cols, rows)
+    out: list[str] = []
+    if samples:
+        out += ["", f"samples (last {len(samples)})"]
+        for e in samples:
+            out.append(f"  step {_num(e.get('step'))}: {_clip(e.get('prompt'))} -> {_clip(e.get('text'))}")
+    if checkpoints:
+        out += ["", "checkpoints"]
+        for e in checkpoints:
+            path = str(e.get("path", "?"))
+            gone = "" if (r.dir / path).exists() else "  (no longer on disk)"
+            out.append(f"  step {_num(e.get('step'))}  {path}{gone}")
+    if requests:
+        out += ["", "requests"]
+        out.append(f"  {requests['count']} ({requests['ok']} ok, {requests['failed']} failed), ")
+        out[-1] += f"median ttft {_num(requests['median_ttft_s'], '.3f')} s, "
+        out[-1] += f"median {_num(requests['median_tok_s'], 'speed')} tok/s"
+    if r.problems:
+        out += ["", "problems"] + [f"  {p}" for p in r.problems]
+    if out:
+        typer.echo("\n".join(out))
+
+
+@runs_app.command("show")
+def show(
+    run: Annotated[str, typer.Argument(metavar="RUN", help="A run folder, id or unique id prefix.")],
+    samples: Annotated[int, typer.Option("--samples", min=0, help="Show the last this many samples.")] = 3,
+    as_json: AsJson = False,
+    runs_dir: RunsDir = None,
+) -> None:
+    """Show one run: summary, config, loss sparkline, evals, samples, checkpoints, problems."""
+    from toy.runs.reader import loss_curve, lr_curve, val_curves
+
+    (r,) = _load([run], runs_dir)
+    curves = {"loss": loss_curve(r), "lr": lr_curve(r), "val": val_curves(r)}
+    picked = r.of("sample")[-samples:] if samples else []
+    checkpoints, requests = r.of("checkpoint"), _requests(r)
+    if as_json:
+        doc = {"run": r.to_dict(), "config": r.config, "start": {k: v for k, v in r.start.items() if k != "config"}}
+        doc["curves"] = {"loss": curves["loss"], "lr": curves["lr"], "val": curves["val"]}
+        doc.update(evals=r.of("eval"), samples=picked, checkpoints=checkpoints, requests=requests)
+        doc["notes"] = r.of("note")
+        typer.echo(json.dumps(doc, indent=2, ensure_ascii=False))
+        return
+    _show_text(r, curves, picked, checkpoints, requests)
+
+
+# -- toy runs compare
+
+
+@runs_app.command("compare")
+def compare_cmd(runs: RunArgs, as_json: AsJson = False, runs_dir: RunsDir = None) -> None:
+    """Compare runs: the config keys that differ, then the figures side by side with deltas against the first."""
+    from toy.runs.reader import compare
+
+    if len(runs) < 2:
+        raise _cli_error("compare needs two or more runs", "toy runs compare RUN_A RUN_B [RUN...]", 2)
+    loaded = _load(runs, runs_dir)
+    c = compare(loaded)
+    if as_json:
+        typer.echo(json.dumps(c, indent=2, ensure_ascii=False))
+        return
+    run_cols = [(rid, {"overflow": "fold"}) for rid in c["runs"]]
+    if c["config"]:
+        typer.echo(f"config differences ({len(c['config'])})")
+        rows = [
+            [d["key"], *(_value(v) if p else "(absent)" for v, p in zip(d["values"], d["present"]))]
+            for d in c["config"]
+        ]
+        _table([("KEY", {})] + run_cols, rows)
+    else:
+        typer.echo("config: identical")
+    typer.echo("\nfigures (delta against the first run)")
+    rows = []
+    for f in c["figures"]:
+        spec = {"tokens_per_s": "speed", "wall_s": ".1f", "steps": "d"}.get(f["name"], ".4f")
+        cells = []
+        for i, (v, d) in enumerate(zip(f["values"], f["deltas"])):
+            cell = _num(v, spec) if not isinstance(v, str) else v
+            if i and d is not None:
+                cell += f" ({'+' if d >= 0 else '-'}{_num(abs(d), spec)})"
+            cells.append(cell)
+        rows.append([f["name"], *cells])
+    _table([("FIGURE", {})] + [(rid, {"justify": "right", "overflow": "fold"}) for rid in c["runs"]], rows)
+
+
+# -- toy runs plot
+
+
+@runs_app.command("plot")
+def plot_cmd(
+    runs: RunArgs,
+    out: Annotated[Path, typer.Option("--out", "-o", help="The image to write (.png, .svg or .pdf).")],
+    title: Annotated[str | None, typer.Option("--title", help="The figure's title.")] = None,
+    log_loss: Annotated[bool, typer.Option("--log", help="Logarithmic loss axis.")] = False,
+    as_json: AsJson = False,
+    runs_dir: RunsDir = None,
+) -> None:
+    """Plot loss (training lines, validation markers) and learning rate of runs to an image (needs matplotlib: the plot extra)."""
+    loaded = _load(runs, runs_dir)
+    with _errors():
+        from toy.runs.plot import plot_runs
+
+        info = plot_runs(loaded, out, title=title, log_loss=log_loss)
+    for rid in info["skipped"]:
+        typer.echo(f"note: run {rid} has no step or eval events: not drawn", err=True)
+    typer.echo(json.dumps(info, indent=2) if as_json else str(out))
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(runs_app, name="runs")

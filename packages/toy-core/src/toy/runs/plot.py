@@ -1,0 +1,137 @@
+"""Plotting runs to an image file: loss curves and learning rates.
+
+``plot_runs(runs, out_path)`` draws one figure with two axes, one above the
+other, sharing the step axis:
+
+- loss: each run's training loss as a line, and each of its evaluation series
+  (``eval`` events by name, "val" for training runs) as markers joined by a
+  line in the same colour, labelled ``<run id>`` and ``<run id> <name>``;
+- learning rate: one line per run that has ``lr`` in its step events.
+
+Invariants: matplotlib is imported inside the functions (``import toy.runs``
+never pays for it, and a missing matplotlib is a ``PlotUnavailableError``
+with an install hint, not an ImportError). The figure is a bare
+``matplotlib.figure.Figure`` drawn by the Agg canvas: pyplot and its global
+state (current figure, interactive backend) are never touched, so plotting
+from a server thread or a test is safe. The returned dict says what was
+drawn (curve counts per axis, runs skipped for having no curves); the file
+format follows the suffix (.png, .svg or .pdf).
+
+Missing values (non-finite losses were written as null) are gaps in a line.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from toy.errors import BadInputError
+from toy.runs.reader import Run, loss_curve, lr_curve, val_curves
+
+FORMATS = (".png", ".svg", ".pdf")
+INSTALL_HINT = "pip install 'toy-cli[plot]'"
+
+
+class PlotUnavailableError(BadInputError):
+    """Plotting needs matplotlib, which is an optional extra."""
+
+
+def _matplotlib() -> Any:
+    try:
+        import matplotlib
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise PlotUnavailableError(f"plotting runs needs matplotlib ({e})", hint=INSTALL_HINT) from e
+    return matplotlib, Figure, FigureCanvasAgg
+
+
+def _xy(points: list[tuple[int, float | None]]) -> tuple[list[int], list[float]]:
+    # None -> NaN: matplotlib leaves a gap there
+    return [s for s, _ in points], [float("nan") if v is None else v for _, v in points]
+
+
+def build_figure(
+    runs: list[Run], *, title: str | None = None, log_loss: bool = False, size: tuple[float, float] = (9.0, 6.0)
+) -> tuple[Any, dict]:
+    """The figure for ``runs`` and a dict of what is on it:
+    ``{"runs": [ids drawn], "skipped": [ids without curves],
+    "loss_axis": {"train": n, "eval": m}, "lr_axis": k}``."""
+    _, Figure, FigureCanvasAgg = _matplotlib()
+    fig = Figure(figsize=size, layout="constrained")
+    FigureCanvasAgg(fig)  # attaches itself to the figure
+    ax_loss, ax_lr = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])
+    info: dict = {"runs": [], "skipped": [], "loss_axis": {"train": 0, "eval": 0}, "lr_axis": 0}
+    for i, run in enumerate(runs):
+        color = f"C{i % 10}"
+        train, lr, evals = loss_curve(run), lr_curve(run), val_curves(run)
+        if not train and not evals and not lr:
+            info["skipped"].append(run.id)
+            continue
+        info["runs"].append(run.id)
+        if train:
+            ax_loss.plot(*_xy(train), color=color, linewidth=1.2, label=run.id)
+            info["loss_axis"]["train"] += 1
+        for j, (name, pts) in enumerate(evals.items()):
+            style = ("o-", "s--", "^:", "D-.")[j % 4]
+            ax_loss.plot(*_xy(pts), style, color=color, markersize=4, linewidth=1, label=f"{run.id} {name}")
+            info["loss_axis"]["eval"] += 1
+        if lr and any(v is not None for _, v in lr):
+            ax_lr.plot(*_xy(lr), color=color, linewidth=1.2, label=run.id)
+            info["lr_axis"] += 1
+    if not info["runs"]:
+        raise BadInputError(
+            f"nothing to plot: no step or eval events in {', '.join(r.id for r in runs)}",
+            hint="plot training runs (or eval runs with stepped eval events)",
+        )
+    ax_loss.set_ylabel("loss (nats/token)")
+    if log_loss:
+        ax_loss.set_yscale("log")
+    ax_loss.grid(True, alpha=0.3)
+    ax_loss.legend(fontsize="small", loc="upper right")
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.set_xlabel("step")
+    ax_lr.grid(True, alpha=0.3)
+    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    if info["lr_axis"] == 0:
+        ax_lr.text(0.5, 0.5, "no learning rate recorded", ha="center", va="center", transform=ax_lr.transAxes)
+    fig.suptitle(title or ("run " + runs[0].id if len(runs) == 1 else f"{len(info['runs'])} runs"))
+    return fig, info
+
+
+def plot_runs(
+    runs: list[Run],
+    out_path: str | os.PathLike,
+    *,
+    title: str | None = None,
+    log_loss: bool = False,
+    size: tuple[float, float] = (9.0, 6.0),
+    dpi: int = 100,
+) -> dict:
+    """Draw ``runs`` (see the module doc) into ``out_path``; returns
+    ``build_figure``'s dict plus ``path``, ``format`` and ``pixels``
+    ([width, height] for raster output)."""
+    out = Path(out_path)
+    fmt = out.suffix.lower()
+    if fmt not in FORMATS:
+        raise BadInputError(f"{out}: unknown image type {out.suffix or '(none)'!r}", hint="name a .png, .svg or .pdf")
+    if not out.parent.is_dir():
+        raise BadInputError(f"{out.parent}: no such folder", hint="create it first or write elsewhere")
+    if not runs:
+        raise BadInputError("no runs to plot", hint="name one or more runs")
+    fig, info = build_figure(runs, title=title, log_loss=log_loss, size=size)
+    # write beside the target, then rename: a reader never sees half an image
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    try:
+        fig.savefig(tmp, format=fmt[1:], dpi=dpi)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    info.update(path=str(out), format=fmt[1:])
+    if fmt == ".png":
+        info["pixels"] = [round(size[0] * dpi), round(size[1] * dpi)]
+    return info
+
+
+__all__ = ["FORMATS", "INSTALL_HINT", "PlotUnavailableError", "build_figure", "plot_runs"]
