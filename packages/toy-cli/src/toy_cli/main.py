@@ -21,6 +21,7 @@ from importlib.metadata import entry_points
 import typer
 
 from toy_cli import __version__
+from toy_cli.commands import eval as eval_commands
 from toy_cli.commands import infer as infer_commands
 from toy_cli.commands import models as model_commands
 from toy_cli.commands import runs as runs_commands
@@ -102,6 +103,7 @@ def devices(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -
 model_commands.register(app)  # list, describe, fetch, quantize
 infer_commands.register(app)  # infer, chat
 train_commands.register(app)  # train (from-scratch, --resume)
+eval_commands.register(app)  # eval (logprobs, perplexity, compare, lmc)
 runs_commands.register(app)  # runs (list, show, compare, plot)
 
 

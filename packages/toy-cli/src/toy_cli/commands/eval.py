@@ -1,0 +1,278 @@
+"""`toy eval`: logprobs, perplexity, compare (KL of two models), lmc.
+
+Every command computes with ``toy.eval`` (the numbers are the library's),
+prints its result on stdout (a table and a summary line, or ``--json``),
+shows progress on stderr (a bar on a terminal, a line every few windows
+otherwise) and records an ``eval`` run bundle under ``--runs-dir``
+(default ``$TOY_RUNS_DIR`` or ``./runs``), whose id goes to stderr and into
+the JSON. Ctrl-C stops at the next window: the run ends "interrupted" and
+the command exits 130.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from toy_cli.commands.models import _cli_error, _errors, _Progress
+
+eval_app = typer.Typer(help="Evaluate models: logprobs, perplexity, compare two models, linear mode connectivity.")
+
+Device = Annotated[str | None, typer.Option("--device", help="cpu, cuda0, ... (default: TOY_DEVICE, else auto).")]
+Threads = Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (default: physical cores).")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
+RunsDir = Annotated[
+    Path | None, typer.Option("--runs-dir", help="Where the run bundle goes (default: $TOY_RUNS_DIR or ./runs).")
+]
+Context = Annotated[int, typer.Option("--context", "-c", help="Tokens per window (llama-perplexity's -c).")]
+Stride = Annotated[
+    int,
+    typer.Option(
+        "--stride", help="0: non-overlapping windows, second half scored; N: a window every N tokens, last N scored."
+    ),
+]
+MaxChunks = Annotated[int | None, typer.Option("--max-chunks", help="Score at most this many windows.")]
+Batch = Annotated[int, typer.Option("--batch", "-b", help="Tokens per forward pass inside a window.")]
+
+
+def _check(context: int, batch: int) -> None:
+    if batch < 1:
+        raise _cli_error(f"--batch {batch} must be >= 1", None, 2)
+    if context < 4:
+        raise _cli_error(f"--context {context} must be at least 4", None, 2)
+
+
+class _WindowProgress:
+    """Windows done with the running PPL: a bar on a terminal, else a line
+    every 10 % of the windows."""
+
+    def __init__(self, label: str):
+        self.label, self.bar, self.next_pct = label, _Progress(), 0.0
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, done: int, total: int, ppl: float) -> None:
+        if self.tty:
+            self.bar.update(f"{self.label} (PPL {ppl:.4f})", done, total)
+            return
+        if done / total >= self.next_pct or done == total:
+            typer.echo(f"{self.label}: window {done}/{total}, running PPL {ppl:.4f}", err=True)
+            self.next_pct = done / total + 0.1
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _load(model: str, n_ctx: int | None, batch: int, device, threads):
+    import toy
+
+    return toy.load(model, n_ctx=n_ctx, n_batch=batch, device=device, threads=threads)
+
+
+def _finish(writer, as_json: bool, payload: dict) -> None:
+    typer.echo(f"run: {writer.dir}", err=True)
+    if as_json:
+        typer.echo(json.dumps({"run_id": writer.run_id, **payload}, indent=2))
+
+
+# -- logprobs -------------------------------------------------------------------
+
+
+def logprobs_cmd(
+    model: Annotated[str, typer.Argument(help="A GGUF path or a model name (`toy list`).")],
+    text: Annotated[str | None, typer.Argument(help="The text to score ('-' reads stdin).")] = None,
+    file: Annotated[Path | None, typer.Option("--file", "-f", help="Score this file's text instead.")] = None,
+    top: Annotated[int, typer.Option("--top", "-k", help="Alternatives shown per position.")] = 5,
+    device: Device = None,
+    threads: Threads = None,
+    as_json: AsJson = False,
+    runs_dir: RunsDir = None,
+) -> None:
+    """Per-token logprobs of a text, with each token's rank and the top-k alternatives."""
+    import toy.eval as E
+
+    if (text is None) == (file is None):
+        raise _cli_error("give the text to score or --file, not both", "toy eval logprobs MODEL 'some text'", 2)
+    with _errors():
+        body = E.read_eval_text(file) if file is not None else (sys.stdin.read() if text == "-" else text)
+        with _load(model, None, 512, device, threads) as m:
+            cfg = {"model": str(m.path), "file": str(file) if file else None, "top": top}
+            with E.eval_run("logprobs", cfg, runs_dir, model=E.record.model_info(m)) as w:
+                res = E.logprobs(m, body, top_k=top)
+                w.event("eval", name="logprobs", loss=res.nll, ppl=res.ppl, tokens=res.n_scored)
+    if as_json:
+        return _finish(w, True, res.to_dict())
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for col, kw in [("POS", {"justify": "right"}), ("TOKEN", {}), ("LOGPROB", {"justify": "right"}),
+                    ("RANK", {"justify": "right"}), (f"TOP {top}", {"overflow": "fold"})]:  # fmt: skip
+        table.add_column(col, **kw)
+    for t in res.tokens:
+        lp = "-" if t.logprob is None else f"{t.logprob:.4f}"
+        alts = "  ".join(f"{s!r} {v:.2f}" for _, s, v in t.top)
+        table.add_row(str(t.position), repr(t.text), lp, "-" if t.rank is None else str(t.rank), alts)
+    Console(soft_wrap=False).print(table)
+    typer.echo(f"mean NLL {res.nll:.4f} nats/token, PPL {res.ppl:.4f} over {res.n_scored} tokens")
+    _finish(w, False, {})
+
+
+# -- perplexity ------------------------------------------------------------------
+
+
+def perplexity_cmd(
+    model: Annotated[str, typer.Argument(help="A GGUF path or a model name (`toy list`).")],
+    file: Annotated[Path, typer.Argument(help='A text file, a JSONL file of {"text"} lines, or a folder.')],
+    context: Context = 512,
+    batch: Batch = 512,
+    stride: Stride = 0,
+    max_chunks: MaxChunks = None,
+    device: Device = None,
+    threads: Threads = None,
+    as_json: AsJson = False,
+    runs_dir: RunsDir = None,
+) -> None:
+    """Perplexity of a text the way llama.cpp's llama-perplexity computes it."""
+    import toy.eval as E
+
+    _check(context, batch)
+    bar = _WindowProgress("perplexity")
+    t0 = time.monotonic()
+    with _errors():
+        text = E.read_eval_text(file)
+        with _load(model, context, batch, device, threads) as m:
+            ids = E.text_ids(m, text)
+            cfg = {"model": str(m.path), "file": str(file), "context": context, "stride": stride,
+                   "max_chunks": max_chunks, "batch": batch}  # fmt: skip
+            with E.eval_run("perplexity", cfg, runs_dir, model=E.record.model_info(m)) as w:
+                try:
+                    res = E.perplexity(m, ids, context=context, stride=stride, max_chunks=max_chunks, progress=bar)
+                finally:
+                    bar.close()
+                w.event("eval", name="perplexity", loss=res.nll, ppl=res.ppl, tokens=res.n_scored,
+                        **{k: v for k, v in res.to_dict().items() if k not in ("nll", "ppl")})  # fmt: skip
+    secs = time.monotonic() - t0
+    if as_json:
+        return _finish(w, True, {**res.to_dict(), "seconds": round(secs, 3)})
+    typer.echo(
+        f"PPL = {res.ppl:.4f} +/- {res.ppl_stderr:.5f}  (mean NLL {res.nll:.4f} nats/token, {res.n_scored} tokens "
+        f"scored in {res.n_windows} windows of {context}, {len(ids)} tokens in the text)"
+    )
+    _finish(w, False, {})
+
+
+# -- compare ---------------------------------------------------------------------
+
+
+def compare_cmd(
+    model_a: Annotated[str, typer.Argument(help="The reference model (e.g. F32).")],
+    model_b: Annotated[str, typer.Argument(help="The model judged against it (e.g. its quantization).")],
+    file: Annotated[Path, typer.Argument(help='A text file, a JSONL file of {"text"} lines, or a folder.')],
+    context: Context = 512,
+    batch: Batch = 512,
+    stride: Stride = 0,
+    max_chunks: MaxChunks = None,
+    device: Device = None,
+    threads: Threads = None,
+    as_json: AsJson = False,
+    runs_dir: RunsDir = None,
+) -> None:
+    """KL divergence of B's next-token distribution from A's, top-1 agreement and both perplexities."""
+    import toy.eval as E
+
+    _check(context, batch)
+    bar = _WindowProgress("compare")
+    with _errors():
+        text = E.read_eval_text(file)
+        with _load(model_a, context, batch, device, threads) as a, _load(model_b, context, batch, device, threads) as b:
+            ids = E.text_ids(a, text)
+            cfg = {"model": str(a.path), "model_b": str(b.path), "file": str(file), "context": context,
+                   "stride": stride, "max_chunks": max_chunks}  # fmt: skip
+            with E.eval_run(
+                "compare", cfg, runs_dir, model=E.record.model_info(a), model_b=E.record.model_info(b)
+            ) as w:
+                try:
+                    res = E.compare(a, b, ids, context=context, stride=stride, max_chunks=max_chunks, progress=bar)
+                finally:
+                    bar.close()
+                d = res.to_dict()
+                w.event("eval", name="compare", loss=res.nll_b, ppl=res.ppl_b, tokens=res.n_scored,
+                        **{k: v for k, v in d.items() if k not in ("n_scored",)})  # fmt: skip
+    if as_json:
+        return _finish(w, True, d)
+    p = res.kl_percentiles
+    rows = [
+        ("tokens scored", f"{res.n_scored} ({res.n_windows} windows of {context})"),
+        ("KL(A||B) mean", f"{res.kl_mean:.6f} +/- {res.kl_stderr:.6f} nats"),
+        ("KL median / p90 / p95 / p99 / max", f"{p['p50']:.6f} / {p['p90']:.6f} / {p['p95']:.6f} / {p['p99']:.6f} / {p['max']:.6f}"),
+        ("top-1 agreement", f"{100 * res.top1_agreement:.2f} %"),
+        ("PPL A", f"{res.ppl_a:.4f}"),
+        ("PPL B", f"{res.ppl_b:.4f}  (B/A {res.ppl_ratio:.4f})"),
+    ]  # fmt: skip
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        typer.echo(f"{k:<{width}}  {v}")
+    _finish(w, False, {})
+
+
+# -- lmc -------------------------------------------------------------------------
+
+
+def lmc_cmd(
+    ckpt_a: Annotated[Path, typer.Argument(help="The first checkpoint (GGUF).")],
+    ckpt_b: Annotated[Path, typer.Argument(help="The second checkpoint, same architecture and shapes.")],
+    file: Annotated[Path, typer.Argument(help='A text file, a JSONL file of {"text"} lines, or a folder.')],
+    alphas: Annotated[
+        str, typer.Option("--alphas", help="Comma-separated interpolation points.")
+    ] = "0,0.25,0.5,0.75,1",
+    context: Context = 512,
+    stride: Stride = 0,
+    max_chunks: MaxChunks = None,
+    device: Device = None,
+    threads: Threads = None,
+    as_json: AsJson = False,
+    runs_dir: RunsDir = None,
+) -> None:
+    """Linear mode connectivity: the loss of (1-a)*A + a*B for each a."""
+    import toy.eval as E
+
+    _check(context, 1)
+    bar = _WindowProgress("lmc")
+    with _errors():
+        points = E.parse_alphas(alphas)
+        text = E.read_eval_text(file)
+        cfg = {"model": str(ckpt_a), "model_b": str(ckpt_b), "file": str(file), "alphas": points,
+               "context": context, "stride": stride, "max_chunks": max_chunks}  # fmt: skip
+        with E.eval_run("lmc", cfg, runs_dir) as w:
+            try:
+                res = E.lmc(ckpt_a, ckpt_b, text, points, context=context, stride=stride, max_chunks=max_chunks,
+                            device=device, threads=threads, progress=bar)  # fmt: skip
+            finally:
+                bar.close()
+            for p in res.points:
+                w.event("eval", name=f"lmc@{p.alpha:g}", alpha=p.alpha, loss=p.nll, ppl=p.ppl, nll_stderr=p.nll_stderr,
+                        tokens=res.n_scored)  # fmt: skip
+            w.event("eval", name="lmc", barrier=res.barrier, tokens=res.n_scored)
+    if as_json:
+        return _finish(w, True, res.to_dict())
+    typer.echo(f"{'alpha':>8}  {'loss':>10}  {'ppl':>10}")
+    for p in res.points:
+        typer.echo(f"{p.alpha:>8g}  {p.nll:>10.4f}  {p.ppl:>10.4f}")
+    if res.barrier is not None:
+        typer.echo(f"barrier: {res.barrier:.4f} nats above the straight line between the end points")
+    _finish(w, False, {})
+
+
+eval_app.command("logprobs")(logprobs_cmd)
+eval_app.command("perplexity")(perplexity_cmd)
+eval_app.command("compare")(compare_cmd)
+eval_app.command("lmc")(lmc_cmd)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(eval_app, name="eval")
