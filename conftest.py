@@ -6,7 +6,9 @@ once: ``import toy_test_models`` (tiny synthetic llama GGUF writer, local
 wheel lookup), ``import gguf_bytes`` (a raw GGUF byte builder) and
 ``from tiny_llama import write_tiny, VARIANTS`` (tiny seeded llama-family
 models covering every config variant, for forward and engine tests),
-``import torch_llama`` (the float64 PyTorch training reference) and
+``import torch_llama`` (the float64 PyTorch training reference),
+``from train_helpers import packed_batch, assert_grads_close`` (batches and
+the gradient comparison of the training-engine tests) and
 ``from bench_side import Side`` (a benchmark's child process).
 
 ``record`` (benchmarks): print one figure as a JSON line on stdout with at
@@ -56,6 +58,7 @@ _HELPERS = {
     "tiny_llama": "packages/toy-core/tests/tiny_llama.py",
     "bench_side": "packages/toy-core/benchmarks/bench_side.py",
     "torch_llama": "packages/toy-core/tests/torch_llama.py",
+    "train_helpers": "packages/toy-core/tests/train_helpers.py",
 }
 
 

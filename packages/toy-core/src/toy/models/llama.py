@@ -234,7 +234,16 @@ def padded_length(n_tokens: int, pad: int) -> int:
 
 
 def forward(
-    ctx, cfg: LlamaConfig, weights, tokens, pos, attend, out_rows=None, row_invariant: bool = False, head: bool = True
+    ctx,
+    cfg: LlamaConfig,
+    weights,
+    tokens,
+    pos,
+    attend,
+    out_rows=None,
+    row_invariant: bool = False,
+    head: bool = True,
+    lora=None,
 ):
     """The llama-family forward of T tokens with a pluggable attention.
 
@@ -248,6 +257,14 @@ def forward(
     one-row product would (``Context.mul_mat``), so a token's result does
     not depend on the tokens batched with it. Returns logits (N or T, V),
     or with ``head=False`` the final normed hidden states (N or T, d).
+
+    ``lora`` (optional) maps a weight's GGUF name (``blk.{i}.attn_q.weight``
+    …; the attention and feed-forward projections) to LoRA terms
+    ``(a, b, scale, drop)``: the product with that weight becomes
+    ``W x + Σ scale · B (A (x ⊙ drop))`` with A (r, in), B (out, r) and
+    ``drop`` None or an F32 (T, in) dropout mask already scaled by 1/(1-p)
+    — llama.cpp's ``build_lora_mm`` for inference, the trainable path of
+    ``toy.train.lora``.
     """
     T, H, Hkv, D, eps = tokens.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps
     rope_args = cfg.rope_args()
@@ -256,11 +273,18 @@ def forward(
     def mm(w, x):
         return ctx.mul_mat(w, x, row_invariant=row_invariant)
 
+    def lin(name: str, x):
+        y = mm(weights[name], x)
+        for a, b, s, drop in (lora.get(name, ()) if lora else ()):
+            xa = x if drop is None else ctx.mul(x, drop)
+            y = ctx.add(y, ctx.scale(mm(b, mm(a, xa)), s))
+        return y
+
     def norm(x, gamma):
         return ctx.mul(ctx.rms_norm(x, eps), gamma)
 
     def proj(x, p: str, which: str, heads: int):
-        y = mm(weights[f"{p}.attn_{which}.weight"], x)
+        y = lin(f"{p}.attn_{which}.weight", x)
         if cfg.qkv_bias:
             y = ctx.add(y, weights[f"{p}.attn_{which}.bias"])
         y = ctx.reshape(y, (T, heads, D))
@@ -275,12 +299,12 @@ def forward(
         p = f"blk.{i}"
         h = norm(x, weights[f"{p}.attn_norm.weight"])
         a = attend(i, proj(h, p, "q", H), proj(h, p, "k", Hkv), proj(h, p, "v", Hkv))  # (T, H*D)
-        x = ctx.add(x, mm(weights[f"{p}.attn_output.weight"], a))
+        x = ctx.add(x, lin(f"{p}.attn_output.weight", a))
         if out_rows is not None and i == cfg.n_layer - 1:
             x = ctx.get_rows(x, out_rows)  # (N, d): the rows whose logits are wanted
         h = norm(x, weights[f"{p}.ffn_norm.weight"])
-        g = ctx.swiglu(mm(weights[f"{p}.ffn_gate.weight"], h), mm(weights[f"{p}.ffn_up.weight"], h))
-        x = ctx.add(x, mm(weights[f"{p}.ffn_down.weight"], g))
+        g = ctx.swiglu(lin(f"{p}.ffn_gate.weight", h), lin(f"{p}.ffn_up.weight", h))
+        x = ctx.add(x, lin(f"{p}.ffn_down.weight", g))
     x = norm(x, weights["output_norm.weight"])
     if not head:
         return x  # (N, d)
@@ -355,7 +379,7 @@ def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def forward_batch(ctx, cfg: LlamaConfig, weights, tokens, pos, mask, batch: int, keep=None):
+def forward_batch(ctx, cfg: LlamaConfig, weights, tokens, pos, mask, batch: int, keep=None, lora=None):
     """Logits (B*T, V) of B rows of T tokens at once, for training: ``tokens``
     and ``pos`` I32 (B*T,) (row-major), ``mask`` F32 (B, 1, T, T) additive
     attention mask (causal, or block-causal for packed documents), broadcast
@@ -392,7 +416,7 @@ def forward_batch(ctx, cfg: LlamaConfig, weights, tokens, pos, mask, batch: int,
         a = ctx.reshape(ctx.mul_mat(v, kq), (batch, H, T, D))
         return ctx.reshape(ctx.cont(ctx.permute(a, (0, 2, 1, 3))), (N, H * D))
 
-    h = forward(ctx, cfg, weights, tokens, pos, attend, head=False)  # (N, d)
+    h = forward(ctx, cfg, weights, tokens, pos, attend, head=False, lora=lora)  # (N, d)
     if keep is not None:
         h = ctx.mul(h, keep)
     return ctx.mul_mat(weights["token_embd.weight" if cfg.tied_output else "output.weight"], h)

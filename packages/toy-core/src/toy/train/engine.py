@@ -68,9 +68,15 @@ class TrainModel(Protocol):
 
     def param_specs(self) -> list[ParamSpec]: ...
 
-    def logits(self, ctx, params: Mapping[str, toy_ggml.Tensor], inputs: BatchInputs) -> toy_ggml.Tensor:
+    def logits(
+        self, ctx, params: Mapping[str, toy_ggml.Tensor], inputs: BatchInputs, training: bool = True
+    ) -> toy_ggml.Tensor:
         """Logits (N, V) of a batch; rows where ``inputs.keep`` is 0 must
-        not reach any weight's gradient."""
+        not reach any weight's gradient. ``training`` is False for the
+        evaluation and sampling graphs (no dropout).
+
+        Optional: ``before_compute(step, micro)``, called before each
+        training micro-batch's compute (e.g. to draw dropout masks)."""
         ...
 
 
@@ -181,7 +187,7 @@ class TrainEngine:
     def _build(self, kind: str) -> _Graph:
         cap = self._graph_capacity()
         ops = toy_ggml.Context(max_tensors=cap * 8, graph_size=cap * 8)
-        logits = self.model.logits(ops, self.params, self.inputs)
+        logits = self.model.logits(ops, self.params, self.inputs, training=kind != "eval")
         ce = ops.cross_entropy_loss(logits, self._labels)
         if kind == "eval":
             loss = ops.mul(ce, self._loss_scale).set_output()
@@ -266,6 +272,11 @@ class TrainEngine:
         self._labels.set(lab)
         self._loss_scale.set(np.array([scale], np.float32))
 
+    def _before(self, micro: int) -> None:
+        hook = getattr(self.model, "before_compute", None)
+        if hook is not None:
+            hook(self.step, micro)
+
     def _run(self, g: _Graph) -> float:
         rt = self.runtime
         rt.allocate(g.graph)
@@ -296,6 +307,7 @@ class TrainEngine:
                 kind = "first" if i == 0 else ("last" if i == self.accum - 1 else "middle")
             self._upload(b, scale)
             g = self._get(kind)
+            self._before(i)
             total += self._run(g)
         norm = float(g.norm.numpy().reshape(-1)[0])
         self.step += 1
@@ -315,8 +327,9 @@ class TrainEngine:
             g = self._build("probe")
             self._graphs["probe"] = g
         total, grads = 0.0, {}
-        for b in micro_batches:
+        for i, b in enumerate(micro_batches):
             self._upload(b, self.batch * self.context / n_targets)
+            self._before(i)
             total += self._run(g)
             for name, t in g.grads.items():
                 grads[name] = grads.get(name, 0.0) + t.numpy().astype(np.float64)
@@ -356,7 +369,7 @@ class TrainEngine:
             inp.keep.set(np.ones((T, 1), np.float32))
             cap = self._graph_capacity()
             ops = toy_ggml.Context(max_tensors=cap * 2)
-            out = self.model.logits(ops, self.params, inp).set_output()
+            out = self.model.logits(ops, self.params, inp, training=False).set_output()
             graph = toy_ggml.Graph(ops, size=cap * 2).build_forward(out)
             self._row = (cin, inp, ops, graph, out)
         cin, inp, ops, graph, out = self._row

@@ -32,18 +32,25 @@ def _kind(name: str, shape: tuple[int, ...]) -> str:
 
 
 class LlamaTrain:
-    """``TrainModel`` for a ``LlamaConfig`` (RoPE scaling is not trained)."""
+    """``TrainModel`` for a ``LlamaConfig`` (RoPE scaling is not trained).
+    ``frozen`` (name -> bound ggml tensor, optional): weights used as they
+    are and not trained (a full fine-tune with frozen embeddings); every
+    other weight of ``param_shapes`` is a parameter."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, frozen: Mapping[str, toy_ggml.Tensor] | None = None):
         self.cfg = cfg
         self.n_vocab = cfg.n_vocab
+        self.frozen = dict(frozen or {})
 
     def param_specs(self) -> list[ParamSpec]:
-        return [ParamSpec(n, s, _kind(n, s)) for n, s in param_shapes(self.cfg).items()]
+        return [ParamSpec(n, s, _kind(n, s)) for n, s in param_shapes(self.cfg).items() if n not in self.frozen]
 
-    def logits(self, ctx, params: Mapping[str, toy_ggml.Tensor], inputs: BatchInputs) -> toy_ggml.Tensor:
+    def logits(
+        self, ctx, params: Mapping[str, toy_ggml.Tensor], inputs: BatchInputs, training: bool = True
+    ) -> toy_ggml.Tensor:
+        weights = {**self.frozen, **params} if self.frozen else params
         return forward_batch(
-            ctx, self.cfg, params, inputs.tokens, inputs.pos, inputs.mask, inputs.batch, keep=inputs.keep
+            ctx, self.cfg, weights, inputs.tokens, inputs.pos, inputs.mask, inputs.batch, keep=inputs.keep
         )
 
 
