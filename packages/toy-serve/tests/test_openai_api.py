@@ -19,8 +19,8 @@ What each expectation is checked against:
 - Seeded sampling with n=2: the documented rule (schemas.py) "choice i uses
   seed + i", with the OpenAI defaults the server documents (top_k 0, top_p 1,
   min_p 0) passed to ``Model.generate`` explicitly.
-- Echo scoring (the lm-eval path): ``log_softmax`` of ``Model.logits(ids)``
-  rows (row i-1 predicts token i), abs 1e-4.
+- Echo scoring (the lm-eval path): ``toy.eval.logprobs`` on the same text
+  (what `toy eval logprobs` prints), abs 1e-4.
 - Tokenize/detokenize: ``Model.tokenize`` / ``Model.detokenize``.
 - Embeddings: the mean of the hidden states of one plain prefill of the
   reference engine, L2-normalized (app.py's documented definition); the wire
@@ -330,7 +330,9 @@ def test_completion_logprobs(client, alias, ref_model):
             assert top[k] == pytest.approx(v, abs=1e-5)
 
 
-def test_completion_echo_scoring_matches_model_logits(client, alias, ref_model):
+def test_completion_echo_scoring_equals_toy_eval_logprobs(client, alias, ref_model):
+    import toy.eval
+
     text = "The quick brown fox jumps over the lazy dog."
     r = client.completions.create(model=alias, prompt=text, max_tokens=0, echo=True, logprobs=1, temperature=0)
     ids = ref_model.tokenize(text)
@@ -342,13 +344,16 @@ def test_completion_echo_scoring_matches_model_logits(client, alias, ref_model):
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert len(lp.token_logprobs) == len(ids) == len(lp.text_offset)
     assert lp.text_offset == [len(ref_model.detokenize(ids[:i])) for i in range(len(ids))]
-    ref = np.array([log_softmax(row) for row in ref_model.logits(ids)])
+    # the reference: `toy eval logprobs` on the same text (toy.eval.logprobs)
+    ref = toy.eval.logprobs(ref_model, text, top_k=1)
+    assert [t.id for t in ref.tokens] == ids
     for i in range(1, len(ids)):
-        assert lp.token_logprobs[i] == pytest.approx(ref[i - 1, ids[i]], abs=1e-4), i
-        best = int(np.argmax(ref[i - 1]))
+        want = ref.tokens[i]
+        assert lp.token_logprobs[i] == pytest.approx(want.logprob, abs=1e-4), i
         top = lp.top_logprobs[i]
         assert 1 <= len(top) <= 2  # the top alternative plus the prompt's token (the same when it is the top)
-        assert top[ref_model.detokenize([best])] == pytest.approx(ref[i - 1, best], abs=1e-4)
+        (best_id, best_text, best_lp) = want.top[0]
+        assert top[best_text] == pytest.approx(best_lp, abs=1e-4)
 
 
 def test_completion_echo_with_completion(client, alias, ref_model):
