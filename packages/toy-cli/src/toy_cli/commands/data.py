@@ -1,0 +1,167 @@
+"""`toy data`: check fine-tuning data against a model, write the demo chat set.
+
+``toy data check FILE --model M`` reads every line of a JSONL file of
+instruction-tuning examples (``text``, ``prompt``/``completion`` or
+``messages``; see docs/reference/data-formats.md) with the model's tokenizer
+and chat template only (no weights are loaded), and prints, on stdout: the
+first ``--show`` examples as the model will see them with the tokens that
+carry loss marked, then length statistics, counts per format, the number of
+examples longer than ``--max-length``, and every problem as ``line N:
+reason``. It exits 0 when there is no problem, 2 otherwise (with an
+``error:`` line on stderr giving the count).
+
+Decision on the marks: on a colour terminal the loss spans are bold green
+(rich); when stdout is not a terminal, when ``NO_COLOR`` is set, or with
+``--plain``, they are wrapped in ``[[`` and ``]]`` instead, so the marks
+survive pipes, logs and tests. ``--max-length`` defaults to the model's
+context length capped at 2048.
+
+``toy data demo-chat [OUT]`` writes the bundled chat set
+(``toy.train.corpus.write_demo_chat``) and prints its path.
+
+Conventions (DESIGN.md section 6): data on stdout, notes on stderr; bad input
+exits 2 with ``error:``/``hint:`` lines. ``toy`` is imported inside the
+commands so ``toy --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from toy_cli.commands.models import _cli_error, _errors
+
+data_app = typer.Typer(
+    help="Fine-tuning data: check a JSONL file against a model, write the demo chat set.", no_args_is_help=True
+)
+
+MAX_LENGTH_CAP = 2048
+OPEN, CLOSE = "[[", "]]"
+LOSS_STYLE = "bold green"
+
+
+def _load(model: str) -> tuple[object, object, int | None]:
+    """The model's tokenizer, chat template and context length (metadata only)."""
+    from toy.gguf import GGUFFile
+    from toy.store import resolve_model
+    from toy.tokenizer import Tokenizer
+    from toy.tokenizer.chat import ChatTemplate
+
+    with GGUFFile(resolve_model(model)) as f:
+        md = f.metadata
+        ctx = md.get(f"{md.get('general.architecture')}.context_length")
+        return Tokenizer.from_gguf(md), ChatTemplate.from_gguf(md), int(ctx) if isinstance(ctx, int) else None
+
+
+def _num(v: float) -> str:
+    return f"{v:,}" if isinstance(v, int) else f"{v:,g}"
+
+
+def _summary(report) -> list[str]:
+    kinds = ", ".join(f"{k} {_num(n)}" for k, n in report.kinds.items())
+    share = f"{100 * report.n_loss / report.n_tokens:.1f}%" if report.n_tokens else "-"
+    ln = report.lengths
+    return [
+        f"file         {report.path}",
+        f"examples     {_num(report.n_examples)}" + (f" ({kinds})" if kinds else ""),
+        f"tokens       {_num(report.n_tokens)} total, {_num(report.n_loss)} carry loss ({share})",
+        f"length       min {_num(ln['min'])}, median {_num(ln['median'])}, p95 {_num(ln['p95'])}, "
+        f"max {_num(ln['max'])} tokens",
+        f"over-length  {_num(report.over_length)} longer than --max-length {report.max_length} "
+        "(truncated or dropped in training)",
+        f"problems     {_num(len(report.problems))}",
+    ]
+
+
+def _print_samples(samples: list[dict], styled: bool) -> None:
+    if styled:
+        from rich.console import Console
+        from rich.text import Text
+
+        console = Console(highlight=False, soft_wrap=True)
+    for i, s in enumerate(samples, 1):
+        head = f"── example {i}: line {s['line']}, {s['kind']}, {s['n_tokens']} tokens, {s['n_loss']} carry loss"
+        if styled:
+            text = Text()
+            for seg, loss in s["segments"]:
+                text.append(seg, style=LOSS_STYLE if loss else None)
+            console.print(Text(head, style="bold"))
+            console.print(text, end="" if text.plain.endswith("\n") else "\n")
+        else:
+            body = "".join(f"{OPEN}{seg}{CLOSE}" if loss else seg for seg, loss in s["segments"])
+            typer.echo(head)
+            typer.echo(body, nl=not body.endswith("\n"))
+        typer.echo("")
+
+
+@data_app.command("check")
+def check_cmd(
+    file: Annotated[Path, typer.Argument(metavar="FILE", help="The JSONL file to check.")],
+    model: Annotated[
+        str, typer.Option("--model", "-m", help="A GGUF path or a model name: its tokenizer and chat template.")
+    ],
+    max_length: Annotated[
+        int | None,
+        typer.Option("--max-length", help="Count examples longer than this (default: the model's context, ≤ 2048)."),
+    ] = None,
+    show: Annotated[int, typer.Option("--show", help="Print this many examples with their loss marked.")] = 3,
+    plain: Annotated[bool, typer.Option("--plain", help=f"Mark loss spans with {OPEN} {CLOSE}, no colour.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Check instruction-tuning data: the loss-carrying tokens of the first examples, lengths, formats, problems."""
+    if show < 0:
+        raise _cli_error(f"--show must be 0 or more (got {show})", None, 2)
+    if max_length is not None and max_length < 2:
+        raise _cli_error(f"--max-length must be at least 2 (got {max_length})", None, 2)
+    with _errors():
+        from toy.train.instruct import check_file
+
+        tokenizer, template, ctx = _load(model)
+        if max_length is None:
+            max_length = min(ctx, MAX_LENGTH_CAP) if ctx else MAX_LENGTH_CAP
+        report = check_file(file, tokenizer, template, max_length=max_length, show=show)
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))
+    else:
+        styled = not plain and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+        _print_samples(report.samples, styled)
+        lines = _summary(report) + [f"line {n}: {reason}" for n, reason in report.problems]
+        typer.echo("\n".join(lines))
+    if report.problems:
+        n = len(report.problems)
+        raise _cli_error(
+            f"{n} problem{'s' if n != 1 else ''} in {file}",
+            "fix the lines listed (line N: reason); blank lines are skipped",
+            2,
+        )
+
+
+@data_app.command("demo-chat")
+def demo_chat_cmd(
+    out: Annotated[Path, typer.Argument(metavar="OUT.jsonl", help="The file to write.")] = Path("demo_chat.jsonl"),
+    n: Annotated[int, typer.Option("--n", help="Number of conversations.")] = 600,
+    seed: Annotated[int, typer.Option("--seed", help="Same seed, same file.")] = 0,
+) -> None:
+    """Write the bundled chat set (messages JSONL: sums, conversions, word games, a fixed signature)."""
+    if n < 1:
+        raise _cli_error(f"--n must be at least 1 (got {n})", None, 2)
+    if out.is_dir():
+        raise _cli_error(f"{out}: is a folder", "OUT is the file to write, e.g. demo_chat.jsonl", 2)
+    with _errors():
+        from toy.train.corpus import write_demo_chat
+
+        try:
+            path = write_demo_chat(out, n=n, seed=seed)
+        except OSError as e:
+            raise _cli_error(f"{out}: cannot write: {e.strerror or e}", None, 1) from e
+    typer.echo(f"wrote {n} conversations (seed {seed})", err=True)
+    typer.echo(str(path))
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(data_app, name="data")

@@ -1,0 +1,400 @@
+"""Instruction-tuning data: JSONL examples -> tokens with a loss mask -> packed rows.
+
+Formats, one JSON object a line (blank lines skipped; any other key is an
+error, so a typo such as ``"completions"`` is caught; docs/reference/
+data-formats.md has examples). The targets (tokens that carry loss) are:
+
+- ``{"text": s}``: BOS (when the tokenizer adds one) + s + EOS, all of them.
+- ``{"prompt": p, "completion": c}``: BOS + p + c + EOS, c's tokens and the
+  EOS. Decision: plain concatenation, no chat template; p and c are tokenized
+  apart (enc(p) + enc(c): what a model given enc(p) sees while generating c).
+- ``{"messages": [...]}``: the chat template's rendering; assistant message i
+  spans the text from ``render(messages[:i], add_generation_prompt=True)`` to
+  ``render(messages[:i+1])``, and its targets run to the span's last
+  end-of-generation token inclusive (ChatML: content + ``<|im_end|>``, so the
+  model learns to stop; the newline after it is never generated). Decision
+  (tokenize per prefix): each prefix is tokenized alone and must start the
+  whole text and its ids, else a clear error (a template that rewrites
+  earlier turns, a token merging across the boundary) instead of a guess.
+  Roles: system, user, assistant, and tool when the template renders it.
+
+Text is tokenized with ``special=True``, user content included, as the
+inference prompt path (``Model.prompt_ids``) does; BOS is added per the
+tokenizer unless the text starts with it. Over-length examples are truncated
+or dropped (``overflow``) and counted, never silently. ``InstructData`` packs
+whole examples greedily in file order (next fit) into rows of ``context``
+positions: n tokens take n-1 positions, positions restart at 0, ``doc`` is the
+index in the row (the block-causal mask keeps examples apart), padding ends
+the row (token 0, loss 0, a doc id of its own).
+
+Invariants: an Example's ``tokens`` (int32) and ``loss`` (bool) have one
+length, and token 0 is never a target (nothing precedes it); batches are
+``PackedData``'s (int32/float32, (B, context)), so ``BatchStream`` and
+``validation_batches`` work unchanged; errors are ``DataError``s naming the
+file and the 1-based line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from itertools import groupby
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from toy.train.data import Batch, DataError, Paths
+
+KINDS = ("text", "prompt_completion", "messages")
+_KEYS = {"text": {"text"}, "prompt_completion": {"prompt", "completion"}, "messages": {"messages"}}
+ROLES = ("system", "user", "assistant")
+_PROBE = "toy-role-probe-7341"
+_JTYPE = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array", dict: "an object"}
+
+
+class _Bad(Exception):
+    """One line's problem (the reason; the caller adds file and line)."""
+
+
+@dataclass
+class Example:
+    """One example: ``loss[j]`` is True where token j is a target that counts."""
+
+    tokens: np.ndarray  # int32 (n,)
+    loss: np.ndarray  # bool (n,)
+    source: str
+    line: int
+    kind: str
+
+    def __post_init__(self) -> None:
+        self.tokens, self.loss = np.asarray(self.tokens, np.int32), np.asarray(self.loss, bool)
+        if self.tokens.ndim != 1 or self.tokens.shape != self.loss.shape:
+            raise DataError(f"{self.source}:{self.line}: tokens and loss must be 1-D arrays of one length")
+
+
+def _str(v: Any, what: str) -> str:
+    if not isinstance(v, str):
+        raise _Bad(f"{what} is {_JTYPE.get(type(v), 'null')}, not a string")
+    return v
+
+
+class _Encoder:
+    """One line -> an ``Example``, with a tokenizer and a chat template."""
+
+    def __init__(self, tokenizer: Any, template: Any):
+        self.tok, self.template = tokenizer, template
+        try:  # "tool" is a role when the template renders a tool message at all
+            out = template.render([{"role": "user", "content": "q"}, {"role": "tool", "content": _PROBE}])
+        except Exception:
+            out = ""
+        self.roles = ROLES + (("tool",) if _PROBE in out else ())
+
+    def ids(self, text: str, bos: bool = True) -> list[int]:
+        try:
+            ids = self.tok.encode(text, add_special=False, special=True)
+        except Exception as e:  # TokenizerError, or a lone surrogate
+            raise _Bad(f"cannot tokenize: {e}") from None
+        b = self.tok.bos_id
+        if bos and self.tok.add_bos and b is not None and ids[:1] != [b]:
+            ids.insert(0, b)
+        return ids
+
+    def eos(self) -> int:
+        if self.tok.eos_id is None:
+            raise _Bad("the tokenizer has no EOS token to end the example with")
+        return self.tok.eos_id
+
+    def render(self, messages: list, gen: bool) -> str:
+        try:
+            return self.template.render(messages, add_generation_prompt=gen)
+        except Exception as e:  # ChatTemplateError
+            raise _Bad(f"chat template: {e}") from None
+
+    def example(self, raw: bytes, source: str, line: int) -> Example:
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise _Bad("not valid UTF-8") from None
+        except ValueError as e:
+            raise _Bad(f"not valid JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise _Bad(f"expected a JSON object, got {_JTYPE.get(type(obj), 'null')}")
+        keys = set(obj)
+        kinds = [k for k in KINDS if _KEYS[k] & keys]
+        expect = 'expected "text", "prompt" and "completion", or "messages"'
+        if not kinds:
+            raise _Bad(f"no known format ({'keys ' + ', '.join(sorted(keys)) if keys else 'empty object'}); {expect}")
+        if len(kinds) > 1:
+            raise _Bad(f"mixed formats (keys {', '.join(sorted(keys))}); {expect}, one format per line")
+        kind = kinds[0]
+        if keys - _KEYS[kind]:
+            raise _Bad(f"unknown key(s) {', '.join(sorted(keys - _KEYS[kind]))} in a {kind} example")
+        if kind == "text":
+            text = _str(obj["text"], '"text"')
+            if not text:
+                raise _Bad("empty text")
+            tokens = self.ids(text) + [self.eos()]
+            loss = [False] + [True] * (len(tokens) - 1)
+        elif kind == "prompt_completion":
+            if _KEYS[kind] - keys:
+                raise _Bad(f'"{min(_KEYS[kind] - keys)}" is missing (a prompt_completion example has both)')
+            prompt, comp = _str(obj["prompt"], '"prompt"'), _str(obj["completion"], '"completion"')
+            if not comp.strip():
+                raise _Bad("empty completion")
+            head, tail = self.ids(prompt), self.ids(comp, bos=False) + [self.eos()]
+            tokens, loss = head + tail, [False] * len(head) + [True] * len(tail)
+        else:
+            tokens, loss = self.conversation(self.messages(obj["messages"]))
+        return Example(np.asarray(tokens, np.int32), np.asarray(loss, bool), source, line, kind)
+
+    def messages(self, msgs: Any) -> list[dict]:
+        if not isinstance(msgs, list):
+            raise _Bad(f'"messages" is {_JTYPE.get(type(msgs), "null")}, not an array')
+        if not msgs:
+            raise _Bad('"messages" is empty')
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict):
+                raise _Bad(f"messages[{i}] is {_JTYPE.get(type(m), 'null')}, not an object")
+            for k in ("role", "content"):
+                if k not in m:
+                    raise _Bad(f'messages[{i}] has no "{k}"')
+                _str(m[k], f'messages[{i}]["{k}"]')
+            if m["role"] not in self.roles:
+                raise _Bad(f"messages[{i}]: unknown role {m['role']!r} (allowed: {', '.join(self.roles)})")
+            if m["role"] == "assistant" and not m["content"].strip():
+                raise _Bad(f"messages[{i}]: empty assistant content")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise _Bad("the conversation has no assistant turn")
+        return msgs
+
+    def conversation(self, msgs: list[dict]) -> tuple[list[int], list[bool]]:
+        full = self.render(msgs, False)
+        ids = self.ids(full)
+        loss, eog = [False] * len(ids), self.tok.eog_ids
+        for i, m in enumerate(msgs):
+            if m["role"] == "assistant":
+                a, b = self.prefix(full, ids, msgs[:i], True, i), self.prefix(full, ids, msgs[: i + 1], False, i)
+                if b <= a:
+                    raise _Bad(f"messages[{i}]: the chat template renders this assistant turn as nothing")
+                end = max((k + 1 for k in range(a, b) if ids[k] in eog), default=b)
+                loss[a:end] = [True] * (end - a)
+        return ids, loss
+
+    def prefix(self, full: str, ids: list[int], msgs: list[dict], gen: bool, i: int) -> int:
+        """The number of tokens of ``render(msgs, gen)``, checked to be a prefix."""
+        text = self.render(msgs, gen)
+        p = self.ids(text) if full.startswith(text) else None
+        if p is None or ids[: len(p)] != p:
+            how = "text" if p is None else "token ids"
+            raise _Bad(
+                f"messages[{i}]: the chat template's rendering up to this assistant turn does not start the whole "
+                f"conversation's ({how} differ), so the turn's loss span cannot be located"
+            )
+        return len(p)
+
+
+def _read(path: Path, enc: _Encoder) -> Iterator[tuple[int, Example | str]]:
+    """(1-based line, its Example or the reason it has none) per non-blank line."""
+    try:
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                raw = raw[3:] if n == 1 and raw.startswith(b"\xef\xbb\xbf") else raw
+                if raw.strip():
+                    try:
+                        yield n, enc.example(raw, str(path), n)
+                    except _Bad as e:
+                        yield n, str(e)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read: {e.strerror or e}") from None
+
+
+def length_stats(lengths: Iterable[int]) -> dict[str, float]:
+    """min, median, p95 (nearest rank: the ceil(0.95 n)-th smallest) and max; 0s when empty."""
+    s = sorted(lengths)
+    if not s:
+        return {"min": 0, "median": 0, "p95": 0, "max": 0}
+    mid = len(s) // 2
+    median = s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+    return {"min": s[0], "median": median, "p95": s[math.ceil(0.95 * len(s)) - 1], "max": s[-1]}
+
+
+@dataclass
+class _Counts:
+    kinds: dict[str, int] = field(default_factory=dict)  # valid examples per kind
+    n_examples: int = 0
+    n_tokens: int = 0
+    n_loss: int = 0  # target tokens
+    lengths: dict[str, float] = field(default_factory=dict)  # min, median, p95, max
+
+    def _count(self, examples: list[Example], kinds: Counter, lengths: list[int]) -> None:
+        self.kinds = {k: kinds[k] for k in KINDS if kinds[k]}
+        self.n_examples, self.lengths = len(examples), length_stats(lengths)
+        self.n_tokens = sum(len(e.tokens) for e in examples)
+        self.n_loss = sum(int(e.loss.sum()) for e in examples)
+
+
+@dataclass
+class Stats(_Counts):
+    """``load_examples``' counts: ``kinds`` and ``lengths`` cover every valid
+    example before truncation; ``n_examples``/``n_tokens``/``n_loss`` what was kept."""
+
+    truncated: int = 0
+    dropped: int = 0  # over-length, overflow="drop"
+    no_loss: int = 0  # truncated, then dropped because no target was left
+
+
+def load_examples(
+    paths: Paths, tokenizer: Any, template: Any, *, max_length: int, overflow: str = "truncate"
+) -> tuple[list[Example], Stats]:
+    """Every example of the JSONL files (a folder: its ``*.jsonl``, sorted), in
+    order; the first bad line raises ``DataError`` (``path:line: reason``)."""
+    if overflow not in ("truncate", "drop"):
+        raise DataError(f'overflow must be "truncate" or "drop" (got {overflow!r})')
+    if max_length < 2:
+        raise DataError(f"max_length must be at least 2 (got {max_length})")
+    enc, stats, out, kinds, lengths = _Encoder(tokenizer, template), Stats(), [], Counter(), []
+    given = [Path(paths)] if isinstance(paths, (str, os.PathLike)) else [Path(p) for p in paths]
+    for path in (f for p in given for f in (sorted(p.rglob("*.jsonl")) if p.is_dir() else [p])):
+        for line, ex in _read(path, enc):
+            if isinstance(ex, str):
+                raise DataError(f"{path}:{line}: {ex}")
+            kinds[ex.kind] += 1
+            lengths.append(len(ex.tokens))
+            if len(ex.tokens) > max_length:
+                if overflow == "drop":
+                    stats.dropped += 1
+                    continue
+                stats.truncated += 1
+                ex.tokens, ex.loss = ex.tokens[:max_length], ex.loss[:max_length]
+                if not ex.loss.any():
+                    stats.no_loss += 1
+                    continue
+            out.append(ex)
+    stats._count(out, kinds, lengths)
+    return out, stats
+
+
+class InstructData:
+    """Examples packed into rows of ``context`` positions (module docstring);
+    the last ``n_val`` rows validate. ``seed`` is accepted for the recipe's
+    call: packing and split are deterministic in file order (``BatchStream``
+    shuffles the rows)."""
+
+    block_causal = True
+
+    def __init__(self, examples: list[Example], context: int, *, val_fraction: float = 0.05, seed: int = 0):
+        if context < 1:
+            raise DataError(f"context must be at least 1 (got {context})")
+        if not 0 <= val_fraction < 1:
+            raise DataError(f"val_fraction must be in [0, 1) (got {val_fraction})")
+        self.context, self.seed, self.examples = int(context), int(seed), list(examples)
+        self.rows: list[list[int]] = []  # example indices per row
+        used = self.context
+        for i, ex in enumerate(self.examples):
+            n = len(ex.tokens)
+            if n > self.context + 1:
+                raise DataError(
+                    f"{ex.source}:{ex.line}: the example has {n} tokens, more than context + 1 = {self.context + 1}",
+                    hint=f"load the examples with max_length <= {self.context + 1} (truncate or drop)",
+                )
+            if n < 2:
+                raise DataError(f"{ex.source}:{ex.line}: the example has {n} token(s); at least 2 are needed")
+            if used + n - 1 > self.context:
+                self.rows.append([])
+                used = 0
+            self.rows[-1].append(i)
+            used += n - 1
+        self.n_windows = len(self.rows)
+        self.n_val = max(1, round(val_fraction * self.n_windows)) if val_fraction > 0 else 0
+        if self.n_windows - self.n_val < 1:
+            raise DataError(
+                f"{len(self.examples)} example(s) pack into {self.n_windows} row(s) of {self.context} positions, "
+                f"too few for {self.n_val} validation row(s) and at least one for training",
+                hint="add examples, lower the context or lower val_fraction",
+            )
+
+    @property
+    def n_train(self) -> int:
+        return self.n_windows - self.n_val
+
+    def batch(self, rows: Iterable[int]) -> Batch:
+        """The given rows (0 <= i < n_windows), shaped as ``PackedData.batch``'s."""
+        idx = [int(i) for i in rows]
+        if any(not 0 <= i < self.n_windows for i in idx):
+            raise IndexError(f"row index out of range [0, {self.n_windows})")
+        b, t = len(idx), self.context
+        tokens, targets, pos, doc = (np.zeros((b, t), np.int32) for _ in range(4))
+        mask = np.zeros((b, t), np.float32)
+        for r, row in enumerate(idx):
+            o = 0
+            for d, e in enumerate(self.rows[row]):
+                ex = self.examples[e]
+                m = len(ex.tokens) - 1
+                tokens[r, o : o + m], targets[r, o : o + m] = ex.tokens[:-1], ex.tokens[1:]
+                mask[r, o : o + m], pos[r, o : o + m], doc[r, o : o + m] = ex.loss[1:], np.arange(m), d
+                o += m
+            pos[r, o:], doc[r, o:] = np.arange(t - o), len(self.rows[row])
+        return Batch(tokens, targets, mask, pos, doc)
+
+    def check_batch(self, batch_size: int) -> None:
+        if batch_size < 1:
+            raise DataError(f"batch size must be at least 1 (got {batch_size})")
+        if self.n_train < batch_size:
+            raise DataError(
+                f"the training split has {self.n_train} packed row(s); a batch needs {batch_size}",
+                hint="add examples, or lower the batch size, the context or val_fraction",
+            )
+
+
+@dataclass
+class CheckReport(_Counts):
+    """``check_file``'s findings over every valid example. A sample is a dict:
+    line, kind, n_tokens, n_loss, segments ((text, is a target) runs)."""
+
+    path: str = ""
+    max_length: int = 0
+    over_length: int = 0  # examples longer than max_length
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[tuple[int, str]] = field(default_factory=list)  # (line, reason)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["samples"] = [{**s, "segments": [{"text": t, "loss": c} for t, c in s["segments"]]} for s in self.samples]
+        d["problems"] = [{"line": n, "reason": r} for n, r in self.problems]
+        return d
+
+
+def segments(tokenizer: Any, tokens: Iterable[int], loss: Iterable[bool]) -> list[tuple[str, bool]]:
+    """The decoded text in runs of equal loss flags (a UTF-8 character split
+    across a run boundary lands in the later run)."""
+    dec = tokenizer.incremental_decoder()
+    texts = [dec.feed(int(t)) for t in tokens]
+    texts[-1:] = [t + dec.flush() for t in texts[-1:]]  # an incomplete UTF-8 tail becomes U+FFFD
+    runs = groupby(zip(texts, map(bool, loss)), key=lambda p: p[1])
+    return [("".join(t for t, _ in run), flag) for flag, run in runs]
+
+
+def check_file(
+    path: str | os.PathLike, tokenizer: Any, template: Any, *, max_length: int, show: int = 3
+) -> CheckReport:
+    """Read every line of ``path``, collecting problems instead of stopping."""
+    enc, report = _Encoder(tokenizer, template), CheckReport(path=str(path), max_length=int(max_length))
+    examples, kinds = [], Counter()
+    for line, ex in _read(Path(path), enc):
+        if isinstance(ex, str):
+            report.problems.append((line, ex))
+            continue
+        examples.append(ex)
+        kinds[ex.kind] += 1
+        report.over_length += len(ex.tokens) > max_length
+        if len(report.samples) < show:
+            segs, n = segments(tokenizer, ex.tokens, ex.loss), len(ex.tokens)
+            report.samples.append({"line": line, "kind": ex.kind, "n_tokens": n, "n_loss": int(ex.loss.sum())})
+            report.samples[-1]["segments"] = segs
+    report._count(examples, kinds, [len(e.tokens) for e in examples])
+    return report
