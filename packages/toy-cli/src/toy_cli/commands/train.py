@@ -29,7 +29,7 @@ import typer
 from toy_cli.commands.models import _errors
 
 train_app = typer.Typer(
-    help="Train models: from scratch now; `--resume RUN_DIR` continues a stopped run.",
+    help="Train models: from scratch, LoRA/QLoRA, full fine-tune, warm-start; `--resume RUN_DIR` continues a stopped run.",
     no_args_is_help=False,
     invoke_without_command=True,
 )
@@ -279,6 +279,228 @@ def from_scratch(
     from toy.train.loop import train
 
     _run(lambda hooks: train(cfg, hooks), quiet, as_json)
+
+
+# -- fine-tuning recipes ---------------------------------------------------------
+
+_F = "Fine-tuning"
+Paths = Annotated[
+    list[Path] | None, typer.Argument(help='JSONL examples: {"text"}, {"prompt","completion"} or {"messages"}.')
+]
+Base = Annotated[str | None, typer.Option("--model", "-m", help="The base GGUF (a path or a `toy list` name).")]
+Config = Annotated[Path | None, typer.Option("--config", "-c", help="A TOML config file.")]
+MaxLen = Annotated[
+    int | None,
+    typer.Option("--max-length", help="Tokens per example (default: context + 1).", rich_help_panel=_F),
+]
+Overflow = Annotated[
+    str | None,
+    typer.Option("--overflow", help="Longer examples: truncate or drop (counted in the log).", rich_help_panel=_F),
+]
+Steps = Annotated[int | None, typer.Option("--steps", rich_help_panel=_P)]
+Batch = Annotated[int | None, typer.Option("--batch-size", "-b", rich_help_panel=_P)]
+Ctx = Annotated[int | None, typer.Option("--context", help="Tokens per row.", rich_help_panel=_P)]
+Accum = Annotated[int | None, typer.Option("--grad-accum", rich_help_panel=_P)]
+Seed = Annotated[int | None, typer.Option("--seed", rich_help_panel=_P)]
+EvalEvery = Annotated[int | None, typer.Option("--eval-every", rich_help_panel=_P)]
+SaveEvery = Annotated[int | None, typer.Option("--save-every", rich_help_panel=_P)]
+Out = Annotated[
+    Path | None, typer.Option("--out", help="Runs folder (default: $TOY_RUNS_DIR, else ./runs).", rich_help_panel=_P)
+]
+Device = Annotated[
+    str | None, typer.Option("--device", help="cpu, cuda0, ... (default: TOY_DEVICE, else cpu).", rich_help_panel=_P)
+]
+Threads = Annotated[int | None, typer.Option("--threads", "-t", rich_help_panel=_P)]
+Lr = Annotated[float | None, typer.Option("--lr", rich_help_panel=_O)]
+Schedule = Annotated[
+    str | None, typer.Option("--schedule", help="constant, linear, cosine or wsd.", rich_help_panel=_O)
+]
+Warmup = Annotated[int | None, typer.Option("--warmup", rich_help_panel=_O)]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print a JSON summary.")]
+
+
+def _list(text: str | None, what: str) -> list[str] | None:
+    if text is None:
+        return None
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        from toy_cli.main import CLIError
+
+        raise CLIError(f"{what}: give a comma-separated list", code=2)
+    return items
+
+
+def _finetune(recipe: str, config: Path | None, values: dict, quiet: bool, as_json: bool) -> None:
+    with _errors():
+        from toy.train import config as C
+
+        cfg = C.load_toml(config, recipe=recipe) if config else C.defaults(recipe)
+        cfg = C.override(cfg, **values)
+    from toy.train.loop import train
+
+    _run(lambda hooks: train(cfg, hooks), quiet, as_json)
+
+
+def _common(paths, model, max_length, overflow, steps, batch_size, context, grad_accum, seed, eval_every,
+            save_every, out, device, threads, lr, schedule, warmup) -> dict:  # fmt: skip
+    return {
+        "data.paths": [str(p) for p in paths] if paths else None,
+        "base": model,
+        "data.max_length": max_length,
+        "data.overflow": overflow,
+        "steps": steps,
+        "batch_size": batch_size,
+        "context": context,
+        "grad_accum": grad_accum,
+        "seed": seed,
+        "eval_every": eval_every,
+        "save_every": save_every,
+        "out": str(out) if out else None,
+        "device": device,
+        "threads": threads,
+        "optim.lr": lr,
+        "optim.schedule": schedule,
+        "optim.warmup": warmup,
+    }
+
+
+@train_app.command("lora")
+def lora_cmd(
+    paths: Paths = None,
+    model: Base = None,
+    config: Config = None,
+    targets: Annotated[
+        str | None,
+        typer.Option(
+            "--targets", help="Modules to adapt, of q,k,v,o,gate,up,down (default q,k,v,o).", rich_help_panel=_F
+        ),
+    ] = None,
+    rank: Annotated[int | None, typer.Option("--rank", "-r", help="LoRA rank (default 8).", rich_help_panel=_F)] = None,
+    alpha: Annotated[float | None, typer.Option("--alpha", help="LoRA alpha (default 16).", rich_help_panel=_F)] = None,
+    dropout: Annotated[
+        float | None, typer.Option("--dropout", help="On the LoRA inputs (default 0).", rich_help_panel=_F)
+    ] = None,
+    rslora: Annotated[
+        bool | None,
+        typer.Option("--rslora/--no-rslora", help="Scale alpha/sqrt(rank) (rank-stabilized).", rich_help_panel=_F),
+    ] = None,
+    max_length: MaxLen = None,
+    overflow: Overflow = None,
+    steps: Steps = None,
+    batch_size: Batch = None,
+    context: Ctx = None,
+    grad_accum: Accum = None,
+    seed: Seed = None,
+    eval_every: EvalEvery = None,
+    save_every: SaveEvery = None,
+    out: Out = None,
+    device: Device = None,
+    threads: Threads = None,
+    lr: Lr = None,
+    schedule: Schedule = None,
+    warmup: Warmup = None,
+    quiet: Quiet = False,
+    as_json: AsJson = False,
+) -> None:
+    """LoRA (QLoRA on a quantized base): train low-rank adapters on a frozen GGUF model; checkpoints are adapters llama.cpp loads."""
+    values = _common(paths, model, max_length, overflow, steps, batch_size, context, grad_accum, seed, eval_every,
+                     save_every, out, device, threads, lr, schedule, warmup)  # fmt: skip
+    values.update({"lora.targets": _list(targets, "--targets"), "lora.rank": rank, "lora.alpha": alpha,
+                   "lora.dropout": dropout, "lora.rslora": rslora})  # fmt: skip
+    _finetune("lora", config, values, quiet, as_json)
+
+
+@train_app.command("full")
+def full_cmd(
+    paths: Paths = None,
+    model: Base = None,
+    config: Config = None,
+    freeze: Annotated[
+        str | None,
+        typer.Option(
+            "--freeze", help="Keep these as they are: embeddings, output (comma-separated).", rich_help_panel=_F
+        ),
+    ] = None,
+    max_length: MaxLen = None,
+    overflow: Overflow = None,
+    steps: Steps = None,
+    batch_size: Batch = None,
+    context: Ctx = None,
+    grad_accum: Accum = None,
+    seed: Seed = None,
+    eval_every: EvalEvery = None,
+    save_every: SaveEvery = None,
+    out: Out = None,
+    device: Device = None,
+    threads: Threads = None,
+    lr: Lr = None,
+    schedule: Schedule = None,
+    warmup: Warmup = None,
+    quiet: Quiet = False,
+    as_json: AsJson = False,
+) -> None:
+    """Full fine-tune: every weight of a GGUF model trainable (a quantized base is dequantized to F32)."""
+    values = _common(paths, model, max_length, overflow, steps, batch_size, context, grad_accum, seed, eval_every,
+                     save_every, out, device, threads, lr, schedule, warmup)  # fmt: skip
+    values["freeze"] = _list(freeze, "--freeze")
+    _finetune("full", config, values, quiet, as_json)
+
+
+@train_app.command("warm-start")
+def warm_start_cmd(
+    paths: Annotated[list[Path] | None, typer.Argument(help='Text files, folders or JSONL ({"text": ...}).')] = None,
+    model: Annotated[
+        str | None, typer.Option("--model", "-m", help="The donor GGUF (a path or a `toy list` name).")
+    ] = None,
+    config: Config = None,
+    preset: Annotated[
+        str | None, typer.Option("--preset", help="tiny, small or smollm2-135m.", rich_help_panel=_M)
+    ] = None,
+    d_model: Annotated[int | None, typer.Option("--d-model", rich_help_panel=_M)] = None,
+    n_layer: Annotated[int | None, typer.Option("--layers", rich_help_panel=_M)] = None,
+    n_head: Annotated[int | None, typer.Option("--heads", rich_help_panel=_M)] = None,
+    n_head_kv: Annotated[int | None, typer.Option("--kv-heads", rich_help_panel=_M)] = None,
+    d_ff: Annotated[int | None, typer.Option("--ffn", rich_help_panel=_M)] = None,
+    copy_layers: Annotated[
+        str | None,
+        typer.Option(
+            "--copy-layers", help="Donor blocks to copy where shapes match (default: all).", rich_help_panel=_M
+        ),
+    ] = None,
+    project: Annotated[
+        str | None, typer.Option("--project", help="Embedding of another width: pca or truncate.", rich_help_panel=_M)
+    ] = None,
+    steps: Steps = None,
+    batch_size: Batch = None,
+    context: Ctx = None,
+    grad_accum: Accum = None,
+    seed: Seed = None,
+    eval_every: EvalEvery = None,
+    save_every: SaveEvery = None,
+    out: Out = None,
+    device: Device = None,
+    threads: Threads = None,
+    lr: Lr = None,
+    schedule: Schedule = None,
+    warmup: Warmup = None,
+    quiet: Quiet = False,
+    as_json: AsJson = False,
+) -> None:
+    """Warm-start a new (possibly smaller) model from a donor's embeddings and matching blocks, then train it on text."""
+    values = _common(paths, model, None, None, steps, batch_size, context, grad_accum, seed, eval_every,
+                     save_every, out, device, threads, lr, schedule, warmup)  # fmt: skip
+    layers = _list(copy_layers, "--copy-layers")
+    try:
+        layer_ids = [int(x) for x in layers] if layers else None
+    except ValueError:
+        from toy_cli.main import CLIError
+
+        raise CLIError(f"--copy-layers {copy_layers!r}: block numbers, comma-separated", code=2) from None
+    values.update({"model.preset": preset, "model.d_model": d_model, "model.n_layer": n_layer, "model.n_head": n_head,
+                   "model.n_head_kv": n_head_kv, "model.d_ff": d_ff, "warm_start.layers": layer_ids,
+                   "warm_start.project": project})  # fmt: skip
+    _finetune("warm-start", config, values, quiet, as_json)
 
 
 @train_app.command("demo-corpus")

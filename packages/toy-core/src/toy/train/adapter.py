@@ -137,7 +137,9 @@ def load_adapter(path: str | os.PathLike) -> Adapter:
     with GGUFFile(path) as gf:
         md = gf.metadata
         if md.get("general.type") != "adapter":
-            raise AdapterError(f"{path}: general.type is {md.get('general.type')!r}, not 'adapter': not an adapter file")
+            raise AdapterError(
+                f"{path}: general.type is {md.get('general.type')!r}, not 'adapter': not an adapter file"
+            )
         if md.get("adapter.type") != "lora":
             raise AdapterError(f"{path}: adapter.type is {md.get('adapter.type')!r}, toy reads 'lora' adapters")
         arch = md.get("general.architecture")

@@ -114,23 +114,29 @@ def save(
     state: dict[str, Any],
     run_id: str,
     keep: int = 0,
+    write_model=None,
 ) -> Path:
     """Write the checkpoint of ``step`` and point ``latest`` at it; returns
     the model file's path. ``tokenizer_metadata``: ``tokenizer.*`` keys,
-    values optionally ``(value, TypeInfo)`` pairs (kept exactly)."""
+    values optionally ``(value, TypeInfo)`` pairs (kept exactly).
+    ``write_model(path, params, step, run_id)`` (optional) writes the model
+    file instead of the llama model below: a LoRA run writes its adapter, a
+    full fine-tune the base's metadata with the trained weights."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model_path = folder / f"step_{step}.gguf"
-    w = GGUFWriter(model_path)
-    for k, v in {**llama_metadata(cfg, run_id), **tokenizer_metadata}.items():
-        if isinstance(v, tuple):
-            w.add(k, v[0], v[1])
-        else:
-            w.add(k, v)
-    w.add("toy.train.run_id", run_id)
-    w.add("toy.train.step", int(step))
-    for name, a in params.items():
-        w.add_tensor(name, np.ascontiguousarray(a, np.float32))
+    w = None
+    if write_model is None:
+        w = GGUFWriter(model_path)
+        for k, v in {**llama_metadata(cfg, run_id), **tokenizer_metadata}.items():
+            if isinstance(v, tuple):
+                w.add(k, v[0], v[1])
+            else:
+                w.add(k, v)
+        w.add("toy.train.run_id", run_id)
+        w.add("toy.train.step", int(step))
+        for name, a in params.items():
+            w.add_tensor(name, np.ascontiguousarray(a, np.float32))
     state_path = folder / f"step_{step}.state.gguf"
     s = GGUFWriter(state_path)
     s.add("toy.state.step", int(step))
@@ -139,7 +145,10 @@ def save(
     for name, a in optimizer.items():
         s.add_tensor(name, np.ascontiguousarray(a, np.float32))
     s.write()  # the state first: a model file only ever appears with its state
-    w.write()
+    if w is not None:
+        w.write()
+    else:
+        write_model(model_path, params, step, run_id)
     _relink(folder / "latest", model_path.name)
     if keep > 0:
         for old in list_steps(folder)[:-keep]:

@@ -68,6 +68,55 @@ class DataConfig:
     val_fraction: float = 0.05
     block_causal: bool = True  # packed documents do not attend to each other
     cache_dir: str | None = None  # default: <toy home>/cache/tokens
+    # fine-tuning recipes (JSONL examples, toy.train.instruct):
+    max_length: int | None = None  # tokens per example (default and upper bound: context + 1)
+    overflow: str = "truncate"  # what to do with a longer example: truncate | drop
+
+
+#: training recipes: from random weights, or from a GGUF base
+RECIPES = ("from-scratch", "lora", "full", "warm-start")
+
+
+@dataclass
+class LoraConfig:
+    targets: list[str] = field(default_factory=lambda: ["q", "k", "v", "o"])
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    rslora: bool = False  # scale alpha / sqrt(rank) instead of alpha / rank
+
+    def validate(self) -> LoraConfig:
+        import math
+
+        from toy.train.adapter import TARGETS
+
+        bad = [t for t in self.targets if t not in TARGETS]
+        if bad or not self.targets:
+            raise ConfigError(
+                f"lora.targets {self.targets!r}: each must be one of {', '.join(TARGETS)}"
+                + (f" ({bad[0]!r} is not)" if bad else " (none given)")
+            )
+        if len(set(self.targets)) != len(self.targets):
+            raise ConfigError(f"lora.targets {self.targets!r} repeats a module")
+        if self.rank < 1:
+            raise ConfigError(f"lora.rank={self.rank} must be >= 1")
+        if not math.isfinite(self.alpha) or self.alpha <= 0:
+            raise ConfigError(f"lora.alpha={self.alpha} must be > 0")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"lora.dropout={self.dropout} must be in [0, 1)")
+        return self
+
+    @property
+    def scale(self) -> float:
+        import math
+
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+
+@dataclass
+class WarmStartConfig:
+    layers: list[int] | None = None  # donor blocks copied where shapes match (None: every such block)
+    project: str = "pca"  # embeddings of another width: pca (top principal directions) | truncate
 
 
 @dataclass
@@ -78,6 +127,11 @@ class TokenizerConfig:
 
 @dataclass
 class TrainConfig:
+    recipe: str = "from-scratch"  # one of RECIPES
+    base: str | None = None  # lora, full: the model fine-tuned; warm-start: the donor (path or name)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    freeze: list[str] = field(default_factory=list)  # full: "embeddings" and/or "output" stay as they are
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     model: ModelShape = field(default_factory=ModelShape)
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
@@ -149,12 +203,39 @@ def _build(cls, data: dict[str, Any], prefix: str = ""):
     return cls(**kw)
 
 
+#: defaults that differ by recipe (fine-tuning a pretrained model wants a
+#: smaller learning rate than training from random weights, and longer rows)
+RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "lora": {"optim": {"lr": 1e-3}, "batch_size": 4, "context": 256},
+    "full": {"optim": {"lr": 2e-5}, "batch_size": 4, "context": 256},
+}
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def from_dict(data: dict[str, Any]) -> TrainConfig:
     """A validated TrainConfig from nested plain data (TOML, JSON)."""
     return validate(_build(TrainConfig, data))
 
 
-def load_toml(path: str | Path) -> TrainConfig:
+def defaults(recipe: str = "from-scratch") -> TrainConfig:
+    """The default config of a recipe (``RECIPE_DEFAULTS`` over the dataclass defaults)."""
+    if recipe not in RECIPES:
+        raise ConfigError(f"recipe {recipe!r} is not one of {', '.join(RECIPES)}")
+    data = {"recipe": recipe, **({"base": "?"} if recipe != "from-scratch" else {})}
+    cfg = _build(TrainConfig, _merge(data, RECIPE_DEFAULTS.get(recipe, {})))
+    return dataclasses.replace(cfg, base=None)
+
+
+def load_toml(path: str | Path, recipe: str | None = None) -> TrainConfig:
+    """A config file over the defaults of ``recipe`` (default: the file's
+    ``recipe`` key, else from-scratch); a file naming another recipe is an
+    error."""
     p = Path(path)
     try:
         data = tomllib.loads(p.read_text(encoding="utf-8"))
@@ -162,7 +243,17 @@ def load_toml(path: str | Path) -> TrainConfig:
         raise ConfigError(f"cannot read config {p}: {e.strerror or e}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{p}: not valid TOML: {e}") from None
-    return from_dict(data)
+    named = data.get("recipe")
+    if recipe is not None and named is not None and named != recipe:
+        raise ConfigError(f"{p}: recipe = {named!r}, but this command trains {recipe!r}")
+    r = recipe or named or "from-scratch"
+    if not isinstance(r, str) or r not in RECIPES:
+        raise ConfigError(f"{p}: recipe {r!r} is not one of {', '.join(RECIPES)}")
+    base = _merge({"recipe": r}, RECIPE_DEFAULTS.get(r, {}))
+    cfg = _build(TrainConfig, _merge(base, data))
+    # a fine-tuning file may leave ``base`` to the command line: ``override``
+    # and ``train`` validate the final config
+    return validate(cfg) if cfg.recipe == "from-scratch" or cfg.base else cfg
 
 
 def to_dict(cfg: TrainConfig) -> dict[str, Any]:
@@ -232,9 +323,28 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         (0 <= cfg.data.val_fraction < 1, f"data.val_fraction={cfg.data.val_fraction} must be in [0, 1)"),
         (cfg.tokenizer.vocab_size >= 257, f"tokenizer.vocab_size={cfg.tokenizer.vocab_size} must be >= 257"),
     ]
+    checks += [
+        (cfg.recipe in RECIPES, f"recipe {cfg.recipe!r} is not one of {', '.join(RECIPES)}"),
+        (cfg.recipe == "from-scratch" or bool(cfg.base), f"recipe {cfg.recipe!r} needs a base model (base)"),
+        (cfg.data.overflow in ("truncate", "drop"), f'data.overflow={cfg.data.overflow!r}: "truncate" or "drop"'),
+        (
+            cfg.data.max_length is None or 2 <= cfg.data.max_length <= cfg.context + 1,
+            f"data.max_length={cfg.data.max_length} must be between 2 and context + 1 = {cfg.context + 1}",
+        ),
+        (
+            all(f in ("embeddings", "output") for f in cfg.freeze),
+            f'freeze {cfg.freeze!r}: each is "embeddings" or "output"',
+        ),
+        (
+            cfg.warm_start.project in ("pca", "truncate"),
+            f'warm_start.project={cfg.warm_start.project!r}: "pca" or "truncate"',
+        ),
+    ]
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
+    if cfg.recipe == "lora":
+        cfg.lora.validate()
     try:
         cfg.optim.validate()
     except BadInputError as e:
@@ -245,11 +355,15 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 __all__ = [
     "PRESETS",
+    "RECIPES",
     "ConfigError",
     "DataConfig",
+    "LoraConfig",
+    "WarmStartConfig",
     "ModelShape",
     "TokenizerConfig",
     "TrainConfig",
+    "defaults",
     "from_dict",
     "load_toml",
     "override",

@@ -92,11 +92,12 @@ def _threads(n: int | None) -> int:
 
 def _tokenizer(cfg: TrainConfig, hooks: Hooks) -> tuple[dict[str, Any], str]:
     """(tokenizer.* metadata, description of where it came from)."""
-    if cfg.tokenizer.model:
+    source = cfg.tokenizer.model or (cfg.base if cfg.recipe == "warm-start" else None)
+    if source:
         from toy import store
         from toy.gguf import GGUFFile
 
-        path = store.resolve_or_fetch(cfg.tokenizer.model)
+        path = store.resolve_or_fetch(source)
         with GGUFFile(path) as gf:
             meta = checkpoint.tokenizer_metadata_of(gf)
         if "tokenizer.ggml.tokens" not in meta:
@@ -137,43 +138,40 @@ class _Run:
     ):
         import toy_ggml
         from toy.runs import RunWriter
-        from toy.tokenizer import Tokenizer
         from toy.train import data as D
 
         self.cfg, self.hooks = cfg, hooks
-        if ckpt is not None:
-            tok_meta, tok_source = ckpt.tokenizer_metadata, ckpt.state.get("tokenizer_source", "checkpoint")
-        else:
-            if not cfg.data.paths:
-                raise BadInputError("no training data: give files or folders (data.paths)")
-            tok_meta, tok_source = _tokenizer(cfg, hooks)
-        self.tok_meta = tok_meta
-        self.tokenizer = Tokenizer.from_gguf(_plain(tok_meta))
-        eos = _doc_separator(self.tokenizer)
-        from toy.store import toy_home
-
-        cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else toy_home() / "cache" / "tokens"
-        prog = (lambda d, t: hooks.phase("tokenizing corpus", d, t)) if hooks.phase else None
-        self.cache = D.TokenCache.build(cfg.data.paths, self.tokenizer, eos_id=eos, cache_dir=cache_dir, progress=prog)
-        self.data = D.PackedData(
-            self.cache, cfg.context, val_fraction=cfg.data.val_fraction, block_causal=cfg.data.block_causal
-        )
-        self.data.check_batch(cfg.batch_size)
-        self.model_cfg = model_config(cfg.model, self.tokenizer.vocab_size, cfg.context)
-        params = ckpt.params if ckpt else init_params(self.model_cfg, cfg.seed)
         self.runtime = toy_ggml.Runtime(
             cfg.device or os.environ.get("TOY_DEVICE") or "cpu", threads=_threads(cfg.threads)
         )
-        self.engine = TrainEngine(
-            LlamaTrain(self.model_cfg),
-            params,
-            self.runtime,
-            cfg.optim,
-            batch=cfg.batch_size,
-            context=cfg.context,
-            accum=cfg.grad_accum,
-        )
+        self.setup = None
         st = ckpt.state if ckpt else {}
+        try:
+            if cfg.recipe in ("lora", "full"):
+                from toy.train import recipes
+
+                make = recipes.setup_lora if cfg.recipe == "lora" else recipes.setup_full
+                s = self.setup = make(cfg, self.runtime, st if ckpt else None)
+                self.tok_meta, self.tokenizer, tok_source = s.tok_meta, s.tokenizer, s.tok_source
+                self.data, data_info, self.model_cfg = s.data, s.data_info, s.model_cfg
+                train_model, params, extra_start = s.train_model, s.params, s.start
+            else:
+                train_model, params, data_info, tok_source, extra_start = self._text_setup(cfg, hooks, ckpt)
+            self.data.check_batch(cfg.batch_size)
+            self.engine = TrainEngine(
+                train_model,
+                ckpt.params if ckpt else params,
+                self.runtime,
+                cfg.optim,
+                batch=cfg.batch_size,
+                context=cfg.context,
+                accum=cfg.grad_accum,
+            )
+        except BaseException:
+            if self.setup is not None:
+                self.setup.close()
+            self.runtime.close()
+            raise
         if ckpt:
             self.engine.load_state(ckpt.params, ckpt.optimizer, ckpt.step)
         self.stream = D.BatchStream(self.data, cfg.batch_size, cfg.seed, state=st.get("data"))
@@ -192,23 +190,67 @@ class _Run:
                 "train",
                 to_dict(cfg),
                 root=cfg.out,
-                recipe="from-scratch",
-                model=dataclasses.asdict(self.model_cfg),
+                recipe=cfg.recipe,
+                **{"model": dataclasses.asdict(self.model_cfg), **extra_start},
                 n_params=self.n_params,
-                data={
-                    "tokens": self.cache.n_tokens,
-                    "documents": self.cache.n_docs,
-                    "train_windows": self.data.n_train,
-                    "val_windows": self.data.n_val,
-                    "unigram_nats": D.unigram_entropy(self.cache.tokens, self.tokenizer.vocab_size),
-                },
+                data=data_info,
                 tokenizer=tok_source,
             )
+        for text in self.setup.notes if self.setup else []:
+            self.writer.event("note", text=text)
+            if hooks.note:
+                hooks.note(text)
         self.ckpt_dir = self.writer.dir / "checkpoints"
         self.last_loss: float | None = None
         self.last_val: float | None = None
         self.last_ckpt: Path | None = ckpt.model_path if ckpt else None
         self.saved_step = ckpt.step if ckpt else -1
+
+    def _text_setup(self, cfg: TrainConfig, hooks: Hooks, ckpt):
+        """Tokenizer, token cache and packed windows of a text corpus, and the
+        model's starting values: from-scratch and warm-start runs."""
+        from toy.store import toy_home
+        from toy.tokenizer import Tokenizer
+        from toy.train import data as D
+
+        if ckpt is not None:
+            tok_meta, tok_source = ckpt.tokenizer_metadata, ckpt.state.get("tokenizer_source", "checkpoint")
+        else:
+            if not cfg.data.paths:
+                raise BadInputError("no training data: give files or folders (data.paths)")
+            tok_meta, tok_source = _tokenizer(cfg, hooks)
+        self.tok_meta = tok_meta
+        self.tokenizer = Tokenizer.from_gguf(_plain(tok_meta))
+        eos = _doc_separator(self.tokenizer)
+        cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else toy_home() / "cache" / "tokens"
+        prog = (lambda d, t: hooks.phase("tokenizing corpus", d, t)) if hooks.phase else None
+        self.cache = D.TokenCache.build(cfg.data.paths, self.tokenizer, eos_id=eos, cache_dir=cache_dir, progress=prog)
+        self.data = D.PackedData(
+            self.cache, cfg.context, val_fraction=cfg.data.val_fraction, block_causal=cfg.data.block_causal
+        )
+        self.model_cfg = model_config(cfg.model, self.tokenizer.vocab_size, cfg.context)
+        extra: dict[str, Any] = {}
+        if ckpt is not None:
+            params = ckpt.params
+        elif cfg.recipe == "warm-start":
+            from toy import store
+            from toy.gguf import GGUFFile
+            from toy.train.recipes import warm_start_params
+
+            donor = store.resolve_or_fetch(cfg.base)
+            with GGUFFile(donor) as gf:
+                params, facts = warm_start_params(cfg, self.model_cfg, gf, cfg.seed)
+            extra["warm_start"] = {"donor": str(donor), **facts}
+        else:
+            params = init_params(self.model_cfg, cfg.seed)
+        info = {
+            "tokens": self.cache.n_tokens,
+            "documents": self.cache.n_docs,
+            "train_windows": self.data.n_train,
+            "val_windows": self.data.n_val,
+            "unigram_nats": D.unigram_entropy(self.cache.tokens, self.tokenizer.vocab_size),
+        }
+        return LlamaTrain(self.model_cfg), params, info, tok_source, extra
 
     # -------------------------------------------------------------- pieces
 
@@ -261,6 +303,7 @@ class _Run:
             "rng": self.rng.bit_generator.state,
             "tokens_seen": self.tokens_seen,
             "tokenizer_source": self.tok_source,
+            **(self.setup.state if self.setup else {}),
         }
         path = checkpoint.save(
             self.ckpt_dir,
@@ -272,6 +315,7 @@ class _Run:
             state=state,
             run_id=self.writer.run_id,
             keep=self.cfg.keep_checkpoints,
+            write_model=self.setup.write_model if self.setup else None,
         )
         self.saved_step = step
         self.last_ckpt = path
@@ -337,6 +381,9 @@ class _Run:
             raise
         finally:
             eng.close()
+            if self.setup is not None:
+                self.setup.close()
+            self.runtime.close()
         self.writer.end(reason, final_step=eng.step, final_loss=self.last_loss, val_loss=self.last_val)
         return RunResult(
             self.writer.run_id, self.writer.dir, reason, eng.step, self.last_loss, self.last_val, self.last_ckpt

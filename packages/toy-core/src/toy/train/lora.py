@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -40,42 +39,20 @@ import toy_ggml
 from toy.errors import BadInputError
 from toy.models.llama import LlamaConfig, forward_batch
 from toy.train.adapter import TARGETS
+from toy.train.config import LoraConfig as LoraSettings  # the [lora] table of a run's config
 from toy.train.engine import BatchInputs, ParamSpec
 
 F32 = toy_ggml.GGMLType.F32
-DEFAULT_TARGETS = ["q", "k", "v", "o"]
 # which activation each target's product reads (dropout masks are per input)
-_INPUT = {"q": "attn_in", "k": "attn_in", "v": "attn_in", "o": "attn_out", "gate": "ffn_in", "up": "ffn_in", "down": "ffn_mid"}
-
-
-@dataclass
-class LoraSettings:
-    targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    rslora: bool = False
-
-    def validate(self) -> LoraSettings:
-        bad = [t for t in self.targets if t not in TARGETS]
-        if bad or not self.targets:
-            raise BadInputError(
-                f"lora.targets {self.targets!r}: each must be one of {', '.join(TARGETS)}"
-                + (f" ({bad[0]!r} is not)" if bad else " (none given)")
-            )
-        if len(set(self.targets)) != len(self.targets):
-            raise BadInputError(f"lora.targets {self.targets!r} repeats a module")
-        if self.rank < 1:
-            raise BadInputError(f"lora.rank={self.rank} must be >= 1")
-        if not math.isfinite(self.alpha) or self.alpha <= 0:
-            raise BadInputError(f"lora.alpha={self.alpha} must be > 0")
-        if not 0 <= self.dropout < 1:
-            raise BadInputError(f"lora.dropout={self.dropout} must be in [0, 1)")
-        return self
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+_INPUT = {
+    "q": "attn_in",
+    "k": "attn_in",
+    "v": "attn_in",
+    "o": "attn_out",
+    "gate": "ffn_in",
+    "up": "ffn_in",
+    "down": "ffn_mid",
+}
 
 
 def adapted_weights(cfg: LlamaConfig, targets: list[str]) -> list[str]:
@@ -83,7 +60,9 @@ def adapted_weights(cfg: LlamaConfig, targets: list[str]) -> list[str]:
     return [f"blk.{i}.{TARGETS[t]}.weight" for i in range(cfg.n_layer) for t in targets]
 
 
-def lora_shapes(base_shapes: Mapping[str, tuple[int, ...]], cfg: LlamaConfig, s: LoraSettings) -> dict[str, tuple[int, int]]:
+def lora_shapes(
+    base_shapes: Mapping[str, tuple[int, ...]], cfg: LlamaConfig, s: LoraSettings
+) -> dict[str, tuple[int, int]]:
     """Parameter name -> shape: ``<W>.lora_a`` (r, in), ``<W>.lora_b`` (out, r)."""
     out = {}
     for w in adapted_weights(cfg, s.targets):
@@ -134,7 +113,12 @@ class LoraLlamaTrain:
             if runtime is None:
                 raise ValueError("dropout needs the runtime to hold its masks")
             n = batch * context
-            width = {"attn_in": cfg.d_model, "attn_out": cfg.n_head * cfg.head_dim, "ffn_in": cfg.d_model, "ffn_mid": cfg.d_ff}
+            width = {
+                "attn_in": cfg.d_model,
+                "attn_out": cfg.n_head * cfg.head_dim,
+                "ffn_in": cfg.d_model,
+                "ffn_mid": cfg.d_ff,
+            }
             sites = sorted({_INPUT[t] for t in settings.targets})
             self._mask_ctx = toy_ggml.Context(max_tensors=len(sites) * cfg.n_layer + 4)
             for i in range(cfg.n_layer):
@@ -180,4 +164,4 @@ class LoraLlamaTrain:
             self._mask_ctx = None
 
 
-__all__ = ["DEFAULT_TARGETS", "LoraLlamaTrain", "LoraSettings", "adapted_weights", "init_lora", "lora_shapes"]
+__all__ = ["LoraLlamaTrain", "LoraSettings", "adapted_weights", "init_lora", "lora_shapes"]
