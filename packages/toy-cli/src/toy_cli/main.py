@@ -21,8 +21,10 @@ from importlib.metadata import entry_points
 import typer
 
 from toy_cli import __version__
+from toy_cli.commands import data as data_commands
 from toy_cli.commands import eval as eval_commands
 from toy_cli.commands import infer as infer_commands
+from toy_cli.commands import merge as merge_commands
 from toy_cli.commands import models as model_commands
 from toy_cli.commands import runs as runs_commands
 from toy_cli.commands import train as train_commands
@@ -105,6 +107,8 @@ infer_commands.register(app)  # infer, chat
 train_commands.register(app)  # train (from-scratch, --resume)
 eval_commands.register(app)  # eval (logprobs, perplexity, compare, lmc)
 runs_commands.register(app)  # runs (list, show, compare, plot)
+merge_commands.register(app)  # merge
+data_commands.register(app)  # data (check, demo-chat)
 
 
 def _missing(name: str, dist: str):

@@ -46,6 +46,10 @@ Decisions:
 - Embeddings are the mean of the final hidden states over every input token
   (the worker never reuses a cached prefix for them); the vector is
   L2-normalized unless ``normalize`` is false.
+- LoRA adapters (``Settings.lora``) are applied by ``toy.load`` at
+  inference; ``/v1/models`` lists them as ``lora: [{"name", "scale"}]``
+  (file names, not paths) and the run_start event's ``model`` as
+  ``lora: [{"path", "scale"}]``.
 - /tokenize and /detokenize sit at the root (llama.cpp's and vLLM's paths);
   tokenization and chat rendering run in threads, off the event loop.
 """
@@ -62,6 +66,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -123,8 +128,20 @@ class _Server:
 
         s = self.settings
         return toy.load(
-            s.model, device=s.device, n_ctx=s.ctx, threads=s.threads, n_slot=s.parallel, exact_batching=True
+            s.model,
+            device=s.device,
+            n_ctx=s.ctx,
+            threads=s.threads,
+            n_slot=s.parallel,
+            exact_batching=True,
+            lora=list(s.lora) or None,
         )
+
+    def adapters(self) -> list[tuple[str | None, float]]:
+        """The LoRA adapters applied: the loaded model's, else (still loading) the settings'."""
+        if self.model is not None:
+            return list(getattr(self.model, "adapters", []))
+        return list(self.settings.lora)
 
     def _begin(self) -> None:
         from toy.runs.writer import RunWriter
@@ -132,6 +149,7 @@ class _Server:
         m, s = self.model, self.settings
         info = {"path": str(m.path), "alias": s.alias, "n_ctx": m.engine.n_ctx, "n_slot": m.engine.n_slot}
         info.update(n_vocab=m.cfg.n_vocab, d_model=m.cfg.d_model, n_layer=m.cfg.n_layer)
+        info["lora"] = [{"path": p, "scale": sc} for p, sc in self.adapters()]
         self.writer = RunWriter("serve", s.config(), root=s.runs_dir, model=info)
         try:
             self.worker = EngineWorker(m, max_queue=s.max_queue, prefill_chunk=s.prefill_chunk, metrics=self.metrics)
@@ -580,6 +598,9 @@ def add_routes(app: FastAPI, srv: _Server) -> None:
         card = {"id": alias, "object": "model", "created": srv.created, "owned_by": "toy"}
         if srv.status == "ok":
             card["max_model_len"] = srv.model.engine.n_ctx
+        adapters = srv.adapters()
+        if adapters:  # file names only: a client has no business with the server's paths
+            card["lora"] = [{"name": Path(p).name if p else None, "scale": sc} for p, sc in adapters]
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/metrics", response_class=PlainTextResponse)

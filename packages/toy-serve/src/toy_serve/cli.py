@@ -19,8 +19,9 @@ Behaviour:
   second Ctrl-C forces the exit.
 - Errors follow toy's CLI conventions: bad input (both --api-key and
   --api-key-file, an unreadable or empty key file, an out-of-range option,
-  --lora which is not implemented yet, a missing model) exits 2 with an
-  ``error:`` line; a model that fails to load exits 1 (2 for bad input).
+  a missing model, a ``--lora`` adapter that is missing, has a bad scale or
+  does not fit the model) exits 2 with an ``error:`` line; a model that
+  fails to load exits 1 (2 for bad input).
 """
 
 from __future__ import annotations
@@ -56,6 +57,17 @@ def _read_key(api_key: str | None, api_key_file: Path | None) -> str | None:
     if not key:
         raise _cli_error(f"{api_key_file} is empty", "--api-key-file names a file holding the key")
     return key
+
+
+def _check_adapters(model_path, adapters) -> None:
+    """Each adapter read and checked against the model (AdapterError), before the port is bound."""
+    from toy.engine.generate import check_lora
+    from toy.gguf import GGUFFile
+    from toy.train.adapter import load_adapter
+
+    with GGUFFile(model_path) as gf:
+        for path, _ in adapters:
+            check_lora(load_adapter(path), gf)
 
 
 class _Quiet:
@@ -103,7 +115,12 @@ def serve(
         int | None, typer.Option("--threads", "-t", help="CPU threads (default: physical cores).")
     ] = None,
     lora: Annotated[
-        list[str] | None, typer.Option("--lora", help="LoRA adapter (repeatable; not implemented yet).")
+        list[str] | None,
+        typer.Option(
+            "--lora",
+            metavar="ADAPTER[:SCALE]",
+            help="Apply a LoRA adapter (GGUF) scaled by SCALE (default 1); repeatable, adapters stack.",
+        ),
     ] = None,
     runs_dir: Annotated[
         str | None, typer.Option("--runs-dir", help="Where the run bundle goes (default: $TOY_RUNS_DIR or ./runs).")
@@ -119,13 +136,14 @@ def serve(
     ] = "info",
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (completions, chat, embeddings, metrics)."""
-    from toy_cli.commands.infer import _fetch_if_missing
+    from toy_cli.commands.infer import _fetch_if_missing, parse_lora_options
     from toy_cli.commands.models import _errors
     from toy_serve.settings import Settings
 
     if log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise _cli_error(f"--log-level {log_level!r} is not a level", "debug, info, warning or error")
     key = _read_key(api_key, api_key_file)
+    adapters = parse_lora_options(lora)
     with _errors():
         settings = Settings(
             model=model,
@@ -140,12 +158,14 @@ def serve(
             drain_timeout=drain_timeout,
             runs_dir=runs_dir,
             model_alias=alias,
-            lora=tuple(lora or ()),
+            lora=tuple(adapters),
         )
         from toy import store
 
         _fetch_if_missing(model)
-        store.resolve_model(model)  # a missing file or unknown name fails now, before the port is bound
+        path = store.resolve_model(model)  # a missing file or unknown name fails now, before the port is bound
+        if adapters:
+            _check_adapters(path, adapters)
     import uvicorn
 
     from toy_serve.app import create_app
@@ -184,7 +204,10 @@ def serve(
 
     app.state.toy.on_fatal = on_fatal
     shown = f"[{settings.host}]" if ":" in settings.host else settings.host
-    typer.echo(f"toy serve: {settings.alias} on http://{shown}:{settings.port}/v1 (loading the model…)", err=True)
+    with_lora = "".join(f" + LoRA {Path(p).name}×{sc:g}" for p, sc in settings.lora)
+    typer.echo(
+        f"toy serve: {settings.alias}{with_lora} on http://{shown}:{settings.port}/v1 (loading the model…)", err=True
+    )
     try:
         with _Quiet():
             server.run()

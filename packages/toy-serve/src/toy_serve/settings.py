@@ -26,13 +26,17 @@ Decisions:
   since a request larger than the queue could never be admitted.
 - ``model_alias`` is the id ``/v1/models`` lists; requests may name the
   model by the alias, the file name, the file stem or the path given.
-- LoRA adapters are not implemented in toy yet: a non-empty ``lora`` is
-  refused with a clear error instead of being silently ignored.
+- ``lora`` holds LoRA adapters applied at inference, as (path, scale)
+  pairs; ``"PATH[:SCALE]"`` strings (what ``--lora`` takes) are parsed into
+  pairs, so a bad scale is refused here. Whether the file exists and fits
+  the model is checked when the model loads (``toy serve`` checks it before
+  binding the port). ``config()`` writes them as ``{"path", "scale"}``.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +66,29 @@ def _str(name: str, value: Any, optional: bool = False) -> None:
         raise BadInputError(f"{name}={value!r} must be a non-empty string" + (" or None" if optional else ""))
 
 
+def _lora_pairs(value: Any) -> tuple[tuple[str, float], ...]:
+    """``lora`` as a tuple of (path, scale): from "PATH[:SCALE]" strings, paths or (path, scale) pairs."""
+    if not value:
+        return ()
+    if isinstance(value, (str, Path)):
+        value = (value,)
+    out = []
+    for item in value:
+        if isinstance(item, (str, Path)):
+            from toy.engine.generate import parse_lora_arg
+
+            path, scale = parse_lora_arg(str(item))
+        elif isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], (str, Path)):
+            path, scale = str(item[0]), item[1]
+            if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+                raise BadInputError(f"lora: the scale {scale!r} of {path} must be a finite number")
+        else:
+            raise BadInputError(f"lora={item!r} must be 'PATH[:SCALE]' or a (path, scale) pair")
+        _str("lora", path)
+        out.append((path, float(scale)))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything ``toy serve`` can be told. See the module docstring for the decisions."""
@@ -81,13 +108,12 @@ class Settings:
     drain_timeout: float = 30.0  # seconds shutdown waits for in-flight requests
     runs_dir: str | None = None  # run bundles go to <runs_dir>/serve-...; None = $TOY_RUNS_DIR or ./runs
     model_alias: str | None = None  # the id in /v1/models; None = the file stem
-    lora: tuple[str, ...] = ()  # LoRA adapters: not implemented yet (refused)
+    lora: tuple[tuple[str, float], ...] = ()  # LoRA adapters (path, scale); "PATH[:SCALE]" strings are parsed
 
     def __post_init__(self) -> None:
         if isinstance(self.model, Path):
             object.__setattr__(self, "model", str(self.model))
-        if isinstance(self.lora, (list, str)):
-            object.__setattr__(self, "lora", (self.lora,) if isinstance(self.lora, str) else tuple(self.lora))
+        object.__setattr__(self, "lora", _lora_pairs(self.lora))
         _str("model", self.model)
         _str("host", self.host)
         _int("port", self.port, 0, 65535)
@@ -108,11 +134,6 @@ class Settings:
             raise BadInputError(f"drain_timeout={dt!r} must be a number of seconds >= 0")
         _str("runs_dir", self.runs_dir, optional=True)
         _str("model_alias", self.model_alias, optional=True)
-        if self.lora:
-            raise BadInputError(
-                f"LoRA adapters are not implemented yet in toy (got lora={list(self.lora)!r})",
-                hint="serve a model with the adapter merged into its weights instead",
-            )
 
     @property
     def alias(self) -> str:
@@ -133,7 +154,7 @@ class Settings:
         """A JSON-ready copy for the run bundle, without the API key."""
         d = asdict(self)
         d["api_key"] = "<set>" if self.api_key else None
-        d["lora"] = list(self.lora)
+        d["lora"] = [{"path": p, "scale": sc} for p, sc in self.lora]
         d["alias"] = self.alias
         return d
 

@@ -6,6 +6,11 @@ prints one JSON object (ids, text, timings) instead of streaming. Ctrl-C
 stops the current reply at the next token (a SIGINT handler sets a flag; no
 exception lands in the middle of a compute): `toy infer` then exits 130
 after printing what it has, `toy chat` returns to its prompt.
+
+``--lora ADAPTER[:SCALE]`` (repeatable, both commands) applies LoRA adapters
+at inference (``toy.load(..., lora=...)``; several stack). A missing file, a
+scale that is not a number, or an adapter that does not fit the model exits 2
+with ``error:`` and a hint, before anything is generated.
 """
 
 from __future__ import annotations
@@ -63,6 +68,14 @@ Batch = Annotated[int, typer.Option("--batch", help="Prefill micro-batch (tokens
 Flash = Annotated[bool, typer.Option("--flash-attn", help="Use flash attention.")]
 KvType = Annotated[str, typer.Option("--kv-type", help="KV cache type: f16, f32, q8_0 (q8_0 needs --flash-attn).")]
 System = Annotated[str | None, typer.Option("--system", help="System message (chat).")]
+Lora = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--lora",
+        metavar="ADAPTER[:SCALE]",
+        help="Apply a LoRA adapter (GGUF) scaled by SCALE (default 1); repeatable, adapters stack.",
+    ),
+]
 
 
 def _sampling(**kw):
@@ -89,13 +102,40 @@ def _fetch_if_missing(model: str) -> None:
         store.fetch_default(model, progress=lambda phase, done, total: bar.update(phase, done, total, bytes_=True))
 
 
-def _load(model: str, device, threads, ctx, batch, flash_attn, kv_type):
+def parse_lora_options(specs: list[str] | None) -> list[tuple[str, float]]:
+    """``--lora ADAPTER[:SCALE]`` values -> [(path, scale)]; a bad scale or a
+    missing file is an exit-2 error (also used by ``toy serve``)."""
+    from toy.engine.generate import parse_lora_arg
+
+    out = []
+    for spec in specs or ():
+        with _errors():
+            path, scale = parse_lora_arg(spec)
+        if not Path(path).is_file():
+            why = "is a folder" if Path(path).is_dir() else "no such file"
+            raise _cli_error(
+                f"--lora {spec}: {why}" if spec == path else f"--lora {spec}: {path}: {why}",
+                "--lora takes a LoRA adapter GGUF file (as `llama-cli --lora` does), optionally :SCALE",
+                2,
+            )
+        out.append((path, scale))
+    return out
+
+
+def _load(model: str, device, threads, ctx, batch, flash_attn, kv_type, lora=None):
     import toy
 
     with _errors():
         _fetch_if_missing(model)
         return toy.load(
-            model, device=device, threads=threads, n_ctx=ctx, n_batch=batch, flash_attn=flash_attn, kv_type=kv_type
+            model,
+            device=device,
+            threads=threads,
+            n_ctx=ctx,
+            n_batch=batch,
+            flash_attn=flash_attn,
+            kv_type=kv_type,
+            lora=lora or None,
         )
 
 
@@ -198,6 +238,7 @@ def infer(
     batch: Batch = 512,
     flash_attn: Flash = False,
     kv_type: KvType = "f16",
+    lora: Lora = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (ids, text, timings).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No timings on stderr.")] = False,
 ) -> None:
@@ -223,7 +264,8 @@ def infer(
         raise _cli_error("--system needs --chat", "add --chat to use the chat template", 2)
     if logprobs is not None and not as_json:
         raise _cli_error("--logprobs needs --json", "add --json to get each token's logprobs", 2)
-    m = _load(model, device, threads, ctx, batch, flash_attn, kv_type)
+    adapters = parse_lora_options(lora)
+    m = _load(model, device, threads, ctx, batch, flash_attn, kv_type, adapters)
     try:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
         with _errors():
@@ -244,6 +286,8 @@ def infer(
         g = stream.result
         if as_json:
             out = {"model": str(m.path), "prompt_ids": ids, **g.to_dict()}
+            if m.adapters:
+                out["lora"] = [{"path": p, "scale": sc} for p, sc in m.adapters]
             typer.echo(json.dumps(out, ensure_ascii=False))
         else:
             sys.stdout.write("\n")
@@ -277,6 +321,7 @@ def chat_cmd(
     batch: Batch = 512,
     flash_attn: Flash = False,
     kv_type: KvType = "f16",
+    lora: Lora = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No timings after each reply.")] = False,
 ) -> None:
     """Chat with a model in the terminal. /reset starts over, /exit (or Ctrl-D) leaves,
@@ -297,12 +342,16 @@ def chat_cmd(
         ignore_eos=False,
         logprobs=None,
     )
-    m = _load(model, device, threads, ctx, batch, flash_attn, kv_type)
+    adapters = parse_lora_options(lora)
+    m = _load(model, device, threads, ctx, batch, flash_attn, kv_type, adapters)
     interactive = sys.stdin.isatty()
     try:
         session = m.chat(system=system)
         if interactive:
-            typer.echo(f"{m.path.name} — /reset to start over, /exit to leave, Ctrl-C stops a reply", err=True)
+            with_lora = "".join(f" + {Path(p).name}×{sc:g}" for p, sc in m.adapters)
+            typer.echo(
+                f"{m.path.name}{with_lora} — /reset to start over, /exit to leave, Ctrl-C stops a reply", err=True
+            )
         while True:
             try:
                 line = input("> " if interactive else "")

