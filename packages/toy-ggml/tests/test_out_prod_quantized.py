@@ -1,0 +1,65 @@
+"""Patch 0007: OUT_PROD with a quantized first operand (what ggml's backward
+of MUL_MAT computes for the activations' gradient when the weight is
+quantized, e.g. a frozen QLoRA base) dequantizes each weight row once per
+run of output rows instead of once per output row.
+
+The gradient of ``sum(w * mul_mat(Wq, x))`` with respect to ``x`` is
+``w @ deq(Wq)``: checked against NumPy (float64, on the dequantized values)
+for several token counts (1, odd, more than the threads split evenly) and
+thread counts, and bit-identical whatever the thread count (every output
+element sums the same terms in the same order).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import toy_ggml as tg
+
+F32 = tg.GGMLType.F32
+OUT, IN = 40, 256  # K-quants need rows of 256
+
+
+def _grad_x(qtype, n: int, threads: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(n)
+    w_f = rng.standard_normal((OUT, IN)).astype(np.float32)
+    raw = tg.quantize(w_f, qtype)
+    w_deq = tg.dequantize(raw, qtype, (OUT, IN))
+    x = rng.standard_normal((n, IN)).astype(np.float32)
+    up = rng.standard_normal((n, OUT)).astype(np.float32)
+    rt = tg.Runtime("cpu", threads=threads)
+    cin = tg.Context(max_tensors=8)
+    wt = cin.tensor(qtype, (OUT, IN))
+    xt = cin.tensor(F32, (n, IN)).set_param()
+    ut = cin.tensor(F32, (n, OUT))
+    ops = tg.Context(max_tensors=256)
+    loss = ops.sum(ops.mul(ops.mul_mat(wt, xt), ut)).set_loss().set_output()
+    g = tg.Graph(ops, size=1024, grads=True).build_forward(loss).build_backward()
+    gx = g.grad(xt)
+    gx = (gx if gx.is_contiguous else ops.cont(gx)).set_output()
+    g.build_forward(gx)
+    cin.allocate(rt)
+    seed = g.grad(loss).set_input()
+    rt.allocate(g)
+    seed.set(np.ones(1, np.float32))
+    wt.set_raw(raw)
+    xt.set(x)
+    ut.set(up)
+    rt.compute(g)
+    got = gx.numpy().copy()
+    ops.close()
+    cin.close()
+    rt.close()
+    return got, up.astype(np.float64) @ w_deq.astype(np.float64)
+
+
+@pytest.mark.parametrize("qtype", [tg.GGMLType.Q4_1, tg.GGMLType.Q8_0, tg.GGMLType.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [1, 7, 33])
+def test_quantized_weight_activation_gradient(qtype, n):
+    got = {}
+    for threads in (1, 2, 3):
+        got[threads], ref = _grad_x(qtype, n, threads)
+        np.testing.assert_allclose(got[threads], ref, rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(got[1], got[2])
+    np.testing.assert_array_equal(got[1], got[3])
