@@ -9,7 +9,8 @@ continues one from its latest checkpoint. Both write the run bundle
 - ``step`` after every optimizer step: step, loss (mean NLL of the step's
   target tokens), lr, tokens (seen so far), tokens_per_s, grad_norm (before
   clipping), wall_us, epoch;
-- ``eval`` every ``eval_every`` steps and at the end: name "val", loss, ppl;
+- ``eval`` every ``eval_every`` steps and at the end: name "val", loss, ppl
+  (fine-tuning recipes also at step 0: the base model's loss, the baseline);
 - ``sample`` at ``sample_every`` (default: with each checkpoint): a greedy
   continuation of the sample prompt;
 - ``checkpoint`` when one is written; ``resume`` when a run is continued
@@ -331,6 +332,8 @@ class _Run:
         per_step_tokens = cfg.batch_size * cfg.context * cfg.grad_accum
         sample_every = cfg.sample_every or cfg.save_every
         try:
+            if self.setup is not None and eng.step == 0 and cfg.eval_every:
+                self.evaluate()  # a fine-tune's baseline: the base model's validation loss
             while eng.step < cfg.steps:
                 if hooks.should_stop and hooks.should_stop():
                     reason = "interrupted"  # also before the first step (e.g. during tokenizing)
