@@ -71,7 +71,9 @@ def reference(base: Base, model: LoraLlamaTrain, lora, batch):
     for w, (a, b) in pairs.items():
         eff[w] = (base.w[w].astype(np.float64) + s * b.astype(np.float64) @ a.astype(np.float64)).astype(np.float64)
     n = float(batch.loss_mask.sum())
-    loss, g = torch_llama.loss_and_grads(eff, base.cfg, batch.tokens, batch.pos, batch.doc, batch.targets, batch.loss_mask, n)
+    loss, g = torch_llama.loss_and_grads(
+        eff, base.cfg, batch.tokens, batch.pos, batch.doc, batch.targets, batch.loss_mask, n
+    )
     out = {}
     for w, (a, b) in pairs.items():
         out[f"{w}.lora_a"] = s * b.astype(np.float64).T @ g[w]

@@ -48,5 +48,3 @@ def assert_grads_close(got, want):
         tol = 2e-4 * float(np.abs(ref).max()) + 1e-6
         err = float(np.abs(np.asarray(got[name]) - ref).max())
         assert err <= tol, f"{name}: max error {err:.3g} > {tol:.3g}"
-
-

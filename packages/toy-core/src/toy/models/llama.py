@@ -275,7 +275,7 @@ def forward(
 
     def lin(name: str, x):
         y = mm(weights[name], x)
-        for a, b, s, drop in (lora.get(name, ()) if lora else ()):
+        for a, b, s, drop in lora.get(name, ()) if lora else ():
             xa = x if drop is None else ctx.mul(x, drop)
             y = ctx.add(y, ctx.scale(mm(b, mm(a, xa)), s))
         return y

@@ -132,14 +132,30 @@ def _check_context(cfg: TrainConfig, model_cfg) -> None:
         raise BadInputError(f"context={cfg.context} exceeds the base model's context length {model_cfg.context_length}")
 
 
-# -- lora -------------------------------------------------------------------------
+@dataclass
+class _Base:
+    """A fine-tuning run's base: the open file, its config, tokenizer and the
+    run's instruction data, its tensors bound on the runtime."""
+
+    path: Path
+    sha: str
+    gf: Any
+    model_cfg: Any
+    tokenizer: Any
+    meta: dict[str, Any]
+    data: Any
+    info: dict[str, Any]
+    bound: Any
+    closers: list[Callable[[], None]]
+
+    def close(self) -> None:
+        for c in reversed(self.closers):
+            c()
 
 
-def setup_lora(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> Setup:
+def _prepare(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> _Base:
     from toy.gguf import bind_tensors
     from toy.models.llama import LlamaConfig
-    from toy.train.adapter import save_adapter
-    from toy.train.lora import LoraLlamaTrain, init_lora
 
     path, sha, gf = _open_base(cfg, ckpt_state)
     closers: list[Callable[[], None]] = [gf.close]
@@ -150,9 +166,27 @@ def setup_lora(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> Setup:
         data, info = _instruct_data(cfg, tokenizer, template)
         bound = bind_tensors(gf, runtime)
         closers.append(bound.close)
+    except BaseException:
+        for c in reversed(closers):
+            c()
+        raise
+    return _Base(path, sha, gf, model_cfg, tokenizer, meta, data, info, bound, closers)
+
+
+# -- lora -------------------------------------------------------------------------
+
+
+def setup_lora(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> Setup:
+    from toy.train.adapter import save_adapter
+    from toy.train.lora import LoraLlamaTrain, adapted_weights, init_lora
+
+    b = _prepare(cfg, runtime, ckpt_state)
+    path, sha, gf, model_cfg, closers = b.path, b.sha, b.gf, b.model_cfg, b.closers
+    tokenizer, meta, data, info = b.tokenizer, b.meta, b.data, b.info
+    try:
         model = LoraLlamaTrain(
             model_cfg,
-            bound.tensors,
+            b.bound.tensors,
             cfg.lora,
             runtime=runtime,
             batch=cfg.batch_size,
@@ -161,10 +195,9 @@ def setup_lora(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> Setup:
         )
         closers.append(model.close)
     except BaseException:
-        for c in reversed(closers):
-            c()
+        b.close()
         raise
-    types = sorted({gf.tensors[w].dtype.name for w in model.adapter_pairs(init_lora(model.shapes, 0))})
+    types = sorted({gf.tensors[w].dtype.name for w in adapted_weights(model_cfg, cfg.lora.targets)})
     arch = model_cfg.architecture
     lc = cfg.lora
 
@@ -200,31 +233,25 @@ _FROZEN = {"embeddings": "token_embd.weight", "output": "output.weight"}
 
 
 def setup_full(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> Setup:
-    from toy.gguf import GGUFWriter, TypeInfo, ValueType, bind_tensors, copy_metadata
-    from toy.models.llama import LlamaConfig, param_shapes
+    from toy.gguf import GGUFWriter, TypeInfo, ValueType, copy_metadata
+    from toy.models.llama import param_shapes
     from toy.train.llama import LlamaTrain
 
-    path, sha, gf = _open_base(cfg, ckpt_state)
-    closers: list[Callable[[], None]] = [gf.close]
+    b = _prepare(cfg, runtime, ckpt_state)
+    path, sha, gf, model_cfg, closers = b.path, b.sha, b.gf, b.model_cfg, b.closers
+    tokenizer, meta, data, info = b.tokenizer, b.meta, b.data, b.info
     try:
-        model_cfg = LlamaConfig.from_gguf(gf)
-        _check_context(cfg, model_cfg)
-        tokenizer, template, meta = _base_tokenizer(gf)
-        data, info = _instruct_data(cfg, tokenizer, template)
         shapes = param_shapes(model_cfg)
         frozen_names = {_FROZEN[f] for f in cfg.freeze}
         if "output" in cfg.freeze and model_cfg.tied_output:
             frozen_names.add("token_embd.weight")  # the head is the embedding
         frozen_names &= set(shapes)
-        bound = bind_tensors(gf, runtime)
-        closers.append(bound.close)
-        frozen = {n: bound.tensors[n] for n in sorted(frozen_names)}
+        frozen = {n: b.bound.tensors[n] for n in sorted(frozen_names)}
         trainable = [n for n in shapes if n not in frozen]
         quantized = sorted({gf.tensors[n].dtype.name for n in trainable if gf.tensors[n].dtype.name not in ("F32",)})
         params = {n: np.array(gf.tensor_to_float(n), np.float32) for n in trainable}
     except BaseException:
-        for c in reversed(closers):
-            c()
+        b.close()
         raise
     notes = []
     if quantized:
