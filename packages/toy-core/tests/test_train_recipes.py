@@ -133,6 +133,11 @@ def test_lora_run_resumes_exactly_and_writes_adapters(bases, tmp_path, which):
     assert start["recipe"] == "lora" and start["base"]["sha256"] == before
     assert start["lora"]["scale"] == 16.0 / 4 and start["data"]["kinds"] == {"text": 20, "prompt_completion": 40}
     assert {e["kind"] for e in ev} >= {"step", "eval", "sample", "checkpoint", "run_end"}
+    (note,) = [e["text"] for e in ev if e["kind"] == "note"]  # the data line: nothing truncated silently
+    assert (
+        note.startswith("data: 60 examples used (text 20, prompt_completion 40 read)")
+        and "0 truncated, 0 dropped" in note
+    )
     losses = step_losses(straight.run_dir)
     assert losses[6] < losses[1]
 
@@ -177,7 +182,8 @@ def test_full_fine_tune_of_a_quantized_base_says_it_dequantized(bases, tmp_path)
     res = train(cfg)
     ev = events(res.run_dir)
     notes = [e["text"] for e in ev if e["kind"] == "note"]
-    assert len(notes) == 1 and "Q8_0" in notes[0] and "dequantized" in notes[0]
+    deq = [n for n in notes if "dequantized" in n]
+    assert len(deq) == 1 and "Q8_0" in deq[0]
     assert ev[0]["base"]["dequantized"] == ["Q8_0"]
     import toy
 

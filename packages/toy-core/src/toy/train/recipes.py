@@ -117,6 +117,17 @@ def _instruct_data(cfg: TrainConfig, tokenizer, template) -> tuple[Any, dict[str
     return data, info
 
 
+def data_note(info: dict[str, Any]) -> str:
+    """The log line of a fine-tuning run's data: what was read, and what was
+    truncated or dropped (never silent)."""
+    kinds = ", ".join(f"{k} {n}" for k, n in info["kinds"].items())
+    return (
+        f"data: {info['examples']} examples used ({kinds} read), {info['loss_tokens']:,} of {info['tokens']:,} "
+        f"tokens carry loss; longer than {info['max_length']} tokens: {info['truncated']} truncated, "
+        f"{info['dropped']} dropped; {info['train_windows']} training rows, {info['val_windows']} validation rows"
+    )
+
+
 def _base_tokenizer(gf):
     from toy.tokenizer import ChatTemplate, Tokenizer
     from toy.train.checkpoint import tokenizer_metadata_of
@@ -222,7 +233,7 @@ def setup_lora(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> Setup:
     }
     return Setup(
         tokenizer, meta, f"model:{path}", data, info, model_cfg, model, init_lora(model.shapes, cfg.seed), start,
-        write, {"base_sha256": sha}, [], closers,
+        write, {"base_sha256": sha}, [data_note(info)], closers,
     )  # fmt: skip
 
 
@@ -253,7 +264,7 @@ def setup_full(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> Setup:
     except BaseException:
         b.close()
         raise
-    notes = []
+    notes = [data_note(info)]
     if quantized:
         notes.append(
             f"full fine-tune: {', '.join(quantized)} weights of {path.name} dequantized to a trainable F32 copy "
