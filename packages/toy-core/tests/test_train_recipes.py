@@ -245,3 +245,12 @@ def test_recipe_config_errors(bases, tmp_path):
     bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": 1}\n')
     with pytest.raises(BadInputError, match="bad.jsonl:2"):
         train(cfg_for(bases, "lora", tmp_path / "bad", 1, **{"data.paths": [str(bad)]}))
+
+
+def test_warm_start_resumes_exactly(bases, tmp_path):
+    cfg = cfg_for(bases, "warm-start", tmp_path / "ws", 4, **{"model.preset": "tiny", "model.n_layer": 2})
+    straight, done = run_and_resume(cfg, tmp_path, 2)
+    assert step_losses(straight.run_dir) == step_losses(done.run_dir)
+    with GGUFFile(straight.checkpoint) as a, GGUFFile(done.checkpoint) as b:
+        for n in a.tensors:
+            np.testing.assert_array_equal(a.tensor_to_float(n), b.tensor_to_float(n))
