@@ -153,3 +153,34 @@ def test_stdout_stays_empty(smollm2_path, tmp_path):
         served.close()
     assert any("Uvicorn running on" in line for line in served.err)  # the logs do go somewhere
     assert "".join(served.out) == ""
+
+
+def test_limit_flags_reach_the_server(smollm2_path, tmp_path):
+    """--max-body-bytes, --max-batch and --prefill-chunk are the server's settings (config.json) and act."""
+    runs = tmp_path / "runs"
+    served = Served(smollm2_path, runs, "--max-body-bytes", "2048", "--max-batch", "2", "--prefill-chunk", "16")
+    try:
+        url = served.wait_ready()
+        with httpx.Client(base_url=url, timeout=60) as h:
+            big = h.post("/v1/completions", json={"prompt": "x" * 3000, "max_tokens": 1})
+            assert big.status_code == 413, big.text
+            three = h.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 1})
+            assert three.status_code == 400 and three.json()["error"]["param"] == "prompt", three.text
+            two = h.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 1, "temperature": 0})
+            assert two.status_code == 200 and len(two.json()["choices"]) == 2
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(timeout=DRAIN_S + 15) == 0
+    finally:
+        served.close()
+    (bundle,) = runs.glob("serve-*")
+    config = json.loads((bundle / "config.json").read_text())
+    assert (config["max_body_bytes"], config["max_batch"], config["prefill_chunk"]) == (2048, 2, 16)
+
+
+def test_bad_limit_flags_exit_2(smollm2_path, tmp_path):
+    for flag, value in (("--prefill-chunk", "0"), ("--max-body-bytes", "10"), ("--max-batch", "0")):
+        p = subprocess.run(
+            [_toy(), "serve", str(smollm2_path), flag, value], capture_output=True, text=True, timeout=60
+        )
+        assert p.returncode == 2, (flag, p.stderr)
+        assert p.stderr.startswith("error: ") and flag.lstrip("-").replace("-", "_") in p.stderr, p.stderr

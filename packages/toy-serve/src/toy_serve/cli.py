@@ -108,6 +108,18 @@ def serve(
             "--max-queue", help="Sequences waiting for a slot before 429 (a request with n=k takes k places)."
         ),
     ] = 64,
+    prefill_chunk: Annotated[
+        int,
+        typer.Option(
+            "--prefill-chunk", help="Most prompt tokens prefilled per engine step (bounds the stall of streams)."
+        ),
+    ] = 128,
+    max_body_bytes: Annotated[
+        int, typer.Option("--max-body-bytes", help="Larger request bodies are refused with 413 (at least 1024).")
+    ] = 1_000_000,
+    max_batch: Annotated[
+        int, typer.Option("--max-batch", help="Most jobs (prompts x n, embedding inputs) one request may create.")
+    ] = 64,
     device: Annotated[
         str | None, typer.Option("--device", help="cpu, cuda0, ... (default: TOY_DEVICE, else auto).")
     ] = None,
@@ -153,6 +165,9 @@ def serve(
             ctx=ctx,
             parallel=parallel,
             max_queue=max_queue,
+            prefill_chunk=prefill_chunk,
+            max_body_bytes=max_body_bytes,
+            max_batch=max_batch,
             device=device,
             threads=threads,
             drain_timeout=drain_timeout,
