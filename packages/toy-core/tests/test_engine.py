@@ -274,6 +274,8 @@ SCHEDULES = {
     "all": [[0, 1, 2]] * 20,
     # subsets in other orders; slot 1 idles while [2, 0] decode
     "subsets": [[0, 1, 2]] * 5 + [[2, 0]] * 10 + [[1]] * 5 + [[1, 2, 0]] * 5,
+    # consecutive runs of slots not starting at 0: one 4-D attention over a slot range
+    "ranges": [[0, 1, 2]] * 5 + [[1, 2]] * 15 + [[0, 1]] * 3,
 }
 
 
@@ -299,6 +301,9 @@ def test_batched_decode_is_bit_exact(rt, models, name, schedule, attn):
             steps = sum(j in s for s in plan)
             alone.append(_greedy_schedule(solo, [p], [[0]] * steps)[0])
         batched = _greedy_schedule(together, prompts, plan)
+        # consecutive slots (without flash attention) took the one-attention path
+        one = [k for k in together._graphs if k[0] == "decode1"]
+        assert bool(one) == (attn == "f16"), one
         # the last step's attention lengths (the cached length padded to 32) differ
         assert len({padded_length(together.cache.length(j), 32) for j in range(3)}) == 3
         for j in range(3):

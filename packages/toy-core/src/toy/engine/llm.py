@@ -119,6 +119,7 @@ class LLMEngine:
         self.kv_pad = kv_pad or (256 if self.flash_attn else 32)
         self.max_graphs = max_graphs
         self.exact_batching = bool(exact_batching)
+        self.one_attention = True  # decode consecutive slots with one 4-D attention (see _one_attention)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.lora = {name: list(terms) for name, terms in (lora or {}).items() if terms} or None
         # each LoRA term adds 4 ops (A x, B (A x), scale, add) to a graph
@@ -146,6 +147,39 @@ class LLMEngine:
             vv = ctx.view(vc, (Hkv, D, n_kv), strides=(D * v.strides[1], v.strides[1], es), offset=slot * v.strides[0])
         else:
             vv = ctx.view(vc, (Hkv, n_kv, D), strides=(head, row, v.strides[2]), offset=slot * v.strides[0])
+        return kv, vv
+
+    def _one_attention(self, slots: tuple[int, ...]) -> bool:
+        """Whether a decode step can attend for all its sequences at once:
+        more than one, consecutive slots, the transposed-V cache (no flash
+        attention). Each sequence then reads the longest sequence's padded
+        length; the extra cells are masked (-inf), so they add exact zeros and
+        every sequence's result is bit-identical to its own attention."""
+        return (
+            self.one_attention
+            and len(slots) > 1
+            and not self.flash_attn
+            and self.cache.v_trans
+            and slots == tuple(range(slots[0], slots[0] + len(slots)))
+        )
+
+    def _slot_views(self, ctx, layer: int, kc, vc, slot0: int, S: int, n_kv: int):
+        """K (S, H_kv, n_kv, D) and V (S, H_kv, D, n_kv) of slots slot0 .. slot0+S-1."""
+        cache, Hkv, D = self.cache, self.cfg.n_head_kv, self.cfg.head_dim
+        k = cache.k[layer]
+        row = k.strides[1]
+        head = row // Hkv
+        kv = ctx.view(
+            kc, (S, Hkv, n_kv, D), strides=(k.strides[0], head, row, k.strides[2]), offset=slot0 * k.strides[0]
+        )
+        v = cache.v[layer]
+        es = v.strides[2]
+        vv = ctx.view(
+            vc,
+            (S, Hkv, D, n_kv),
+            strides=(v.strides[0], D * v.strides[1], v.strides[1], es),
+            offset=slot0 * v.strides[0],
+        )
         return kv, vv
 
     def _write(self, ctx, layer: int, k, v, feeds, n: int):
@@ -230,14 +264,30 @@ class LLMEngine:
         return self._finish(key, cin, feeds, ops, size, out)
 
     def _decode_graph(self, slots: tuple[int, ...], n_kvs: tuple[int, ...]) -> _Graph:
-        key = ("decode", slots, n_kvs)
+        one = self._one_attention(slots)
+        key = ("decode1", slots, max(n_kvs)) if one else ("decode", slots, n_kvs)
         g = self._graphs.get(key)
         if g is not None:
             self._graphs.move_to_end(key)
             return g
         S = len(slots)
-        cin, feeds, ops, size = self._new_graph(S, [(1, n) for n in n_kvs], S)
         H, D = self.cfg.n_head, self.cfg.head_dim
+        if one:
+            n_kv = max(n_kvs)
+            cin, feeds, ops, size = self._new_graph(S, [(S, 1, 1, n_kv)], S)
+
+            def attend(layer, q, k, v):  # every sequence in one 4-D attention over consecutive slots
+                kc, vc = self._write(ops, layer, k, v, feeds, S)
+                kv, vv = self._slot_views(ops, layer, kc, vc, slots[0], S, n_kv)
+                q4 = ops.reshape(q, (S, H, 1, D))
+                kq = ops.soft_max(ops.mul_mat(kv, q4, row_invariant=True), feeds["mask0"], self.scale)
+                return ops.reshape(ops.mul_mat(vv, kq, row_invariant=True), (S, H * D))  # (S, H, 1, D)
+
+            out = forward(
+                ops, self.cfg, self.weights, feeds["tokens"], feeds["pos"], attend, row_invariant=True, lora=self.lora
+            )
+            return self._finish(key, cin, feeds, ops, size, out)
+        cin, feeds, ops, size = self._new_graph(S, [(1, n) for n in n_kvs], S)
 
         def attend(layer, q, k, v):
             kc, vc = self._write(ops, layer, k, v, feeds, S)
@@ -340,7 +390,11 @@ class LLMEngine:
         pos = np.array([self._room(s, 1) for s in slots_t], np.int64)
         n_kvs = tuple(self._n_kv(int(p) + 1) for p in pos)
         g = self._decode_graph(slots_t, n_kvs)
-        masks = [self._mask(pos[j : j + 1], n) for j, n in enumerate(n_kvs)]
+        if self._one_attention(slots_t):
+            n_kv = max(n_kvs)
+            masks = [np.stack([self._mask(pos[j : j + 1], n_kv) for j in range(len(slots_t))])[:, None]]
+        else:
+            masks = [self._mask(pos[j : j + 1], n) for j, n in enumerate(n_kvs)]
         logits = self._run(g, tok, pos, np.array(slots_t), masks)
         for s, t in zip(slots_t, tok):
             self.cache.append(s, [t])
