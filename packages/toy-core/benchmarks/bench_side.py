@@ -4,15 +4,18 @@ The parent writes one command per line to the child's stdin; the child
 answers with one JSON object per stdout line (other lines are ignored) and
 writes its logs to stderr, which goes to ``<logdir>/<name>.stderr`` and is
 quoted when the child dies. A watchdog kills a child still running after
-``timeout_s``. Used by ``test_bench_infer.py`` and ``test_bench_train.py``
+``timeout_s``. Used by ``test_bench_infer.py``, ``test_bench_train.py`` and
+``test_bench_finetune.py`` (``alternate``: the timed rounds of the training ones)
 (registered under this name by the root conftest.py).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 
@@ -54,4 +57,25 @@ class Side:
         self.log.close()
 
 
-__all__ = ["Side"]
+def alternate(sides: dict[str, Side], per_round: list[int], settle_s: float, out: dict) -> dict:
+    """The timed part of a side-by-side run: for each round, each side in
+    turn runs ``steps n`` after a pause of ``settle_s``; then every side is
+    asked ``done``. Fills ``out["runs"][name]`` (one answer per round),
+    ``out["done"][name]``, ``loadavg_before``/``loadavg_after`` and
+    ``timed_wall_s``; returns ``out``."""
+    out.setdefault("runs", {})
+    out.setdefault("done", {})
+    out["loadavg_before"] = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    for n in per_round:
+        for name, side in sides.items():
+            time.sleep(settle_s)
+            out["runs"].setdefault(name, []).append(side.ask(f"steps {n}"))
+    out["timed_wall_s"] = time.perf_counter() - t0
+    out["loadavg_after"] = os.getloadavg()[0]
+    for name, side in sides.items():
+        out["done"][name] = side.ask("done")
+    return out
+
+
+__all__ = ["Side", "alternate"]

@@ -87,7 +87,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
-from bench_side import Side
+from bench_side import Side, alternate
 
 pytestmark = pytest.mark.bench
 
@@ -384,17 +384,7 @@ def run_group(group: str, bases: dict[str, Path], batch: int, context: int, logd
             argv += ["--warmup", str(WARMUP)]
             sides[name] = Side(name, argv, logdir, timeout_s=SIDE_TIMEOUT_S, env=bt.side_env())
             out["ready"][name] = sides[name].read()
-            out["runs"][name] = []
-        out["loadavg_before"] = os.getloadavg()[0]
-        t0 = time.perf_counter()
-        for n in per_round:
-            for name, side in sides.items():
-                time.sleep(SETTLE_S)
-                out["runs"][name].append(side.ask(f"steps {n}"))
-        out["timed_wall_s"] = time.perf_counter() - t0
-        out["loadavg_after"] = os.getloadavg()[0]
-        for name, side in sides.items():
-            out["done"][name] = side.ask("done")
+        alternate(sides, per_round, SETTLE_S, out)
     finally:
         for side in sides.values():
             side.close()

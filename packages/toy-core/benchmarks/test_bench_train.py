@@ -82,7 +82,7 @@ import time
 from pathlib import Path
 
 import pytest
-from bench_side import Side
+from bench_side import Side, alternate
 
 pytestmark = pytest.mark.bench
 
@@ -499,16 +499,7 @@ def run_shape(preset: str, vocab: int, batch: int, context: int, k: int, logdir:
                 env=side_env(),
             )
             out["ready"][name] = sides[name].read()
-        out["loadavg_before"] = os.getloadavg()[0]
-        t0 = time.perf_counter()
-        for n in per_round:
-            for name, side in sides.items():
-                time.sleep(SETTLE_S)
-                out["runs"][name].append(side.ask(f"steps {n}"))
-        out["timed_wall_s"] = time.perf_counter() - t0
-        out["loadavg_after"] = os.getloadavg()[0]
-        for name, side in sides.items():
-            out["done"][name] = side.ask("done")
+        alternate(sides, per_round, SETTLE_S, out)
     finally:
         for side in sides.values():
             side.close()

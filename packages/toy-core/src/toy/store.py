@@ -329,6 +329,12 @@ def _sha256_file(path: Path, progress: Progress | None = None, phase: str = "ver
     return h.hexdigest()
 
 
+def sha256_file(path: str | os.PathLike) -> str:
+    """The sha256 of a file, read in chunks (what a fetch verifies; fine-tuning
+    runs record their base's)."""
+    return _sha256_file(Path(path))
+
+
 def _write_stamp(path: Path, sha256: str) -> None:
     st = path.stat()
     stamp = {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}

@@ -227,9 +227,8 @@ def defaults(recipe: str = "from-scratch") -> TrainConfig:
     """The default config of a recipe (``RECIPE_DEFAULTS`` over the dataclass defaults)."""
     if recipe not in RECIPES:
         raise ConfigError(f"recipe {recipe!r} is not one of {', '.join(RECIPES)}")
-    data = {"recipe": recipe, **({"base": "?"} if recipe != "from-scratch" else {})}
-    cfg = _build(TrainConfig, _merge(data, RECIPE_DEFAULTS.get(recipe, {})))
-    return dataclasses.replace(cfg, base=None)
+    # not validated: a fine-tuning recipe's base comes later (``override`` validates)
+    return _build(TrainConfig, _merge({"recipe": recipe}, RECIPE_DEFAULTS.get(recipe, {})))
 
 
 def load_toml(path: str | Path, recipe: str | None = None) -> TrainConfig:

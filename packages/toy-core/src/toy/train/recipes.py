@@ -34,7 +34,6 @@ d > D the extra columns stay random.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,20 +67,12 @@ class Setup:
         self.closers.clear()
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _open_base(cfg: TrainConfig, ckpt_state: dict | None):
     from toy import store
     from toy.gguf import GGUFFile
 
     path = Path(store.resolve_or_fetch(cfg.base))
-    sha = file_sha256(path)
+    sha = store.sha256_file(path)
     if ckpt_state is not None and ckpt_state.get("base_sha256") not in (None, sha):
         raise BadInputError(
             f"{path}: the base model changed since the run started (sha256 differs)",
@@ -359,4 +350,4 @@ def _dims(model_cfg) -> dict[str, Any]:
     return dataclasses.asdict(model_cfg)
 
 
-__all__ = ["Setup", "file_sha256", "project_embedding", "setup_full", "setup_lora", "warm_start_params"]
+__all__ = ["Setup", "project_embedding", "setup_full", "setup_lora", "warm_start_params"]
