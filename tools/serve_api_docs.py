@@ -21,7 +21,7 @@ What the schema lacks is kept here, and checked so that it cannot go stale silen
 - ``STATUS_NOTES``: what each status code means for this server; a code the schema lists
   without a note is an error.
 - ``ERROR_CODES``: the ``code`` values of error bodies. They are compared with the ``code="..."``
-  literals (and the 404/405 code map) in ``toy_serve``'s ``app.py`` and ``schemas.py``: a code
+  literals (and the 404/405 code map) in ``toy_serve``'s modules (``ERROR_SOURCES``): a code
   used there but missing here, or listed here but used nowhere, is an error.
 
 FastAPI writes the schema with null defaults left out (``exclude_none``); a field that is not
@@ -212,7 +212,7 @@ ERROR_CODES: dict[str, tuple[int, str, str]] = {
     "internal_error": (500, "server_error", "an unexpected failure (the message holds the request id)"),
     "model_loading": (503, "server_error", "the model is still loading"),
 }
-ERROR_SOURCES = ("app.py", "schemas.py")
+ERROR_SOURCES = ("app.py", "guard.py", "jobs.py", "routes.py", "schemas.py", "server.py")
 
 # Real answers of the app without a model (see the module docstring): (title, method, path, JSON body).
 EXAMPLES = (

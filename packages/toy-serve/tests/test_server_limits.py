@@ -4,7 +4,7 @@ The apps here run over a one-slot copy of SmolLM2 (``n_slot=1``,
 ``exact_batching``, ``n_ctx=256``), loaded once for the module; each test
 starts and stops its own server with the settings it needs.
 
-References for the expectations: settings.py and app.py's docstrings:
+References for the expectations: settings.py's docstring and app.py's (the app's invariants and decisions):
 ``QueueFullError`` answers 429 ``rate_limit_error``/``queue_full`` with
 ``Retry-After: 1``; a request creating more jobs than ``min(max_batch,
 max_queue)`` answers 400 naming ``n`` or the list field; with ``api_key``

@@ -1,0 +1,292 @@
+"""The routes: /health, /v1/models, /metrics, /v1/completions,
+/v1/chat/completions, /v1/embeddings, /tokenize, /detokenize (``add_routes``),
+and the mapping of toy's exceptions to OpenAI-shaped errors (``toy_error``)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from toy.engine.llm import ContextOverflowError
+from toy.engine.sampling import SamplingParams
+from toy.errors import BadInputError, ToyError
+from toy.tokenizer.chat import ChatTemplateError
+from toy.tokenizer.vocab import TokenizerError
+from toy_serve import schemas as S
+from toy_serve.jobs import Batch, Choice, safe_stream, sse, stream
+from toy_serve.metrics import CONTENT_TYPE
+from toy_serve.schemas import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+)
+from toy_serve.server import CHAT, COMPLETIONS, DEFAULT_PARAM, EMBEDDINGS, Server, internal, log
+from toy_serve.worker import QueueFullError
+
+
+def toy_error(srv: Server, request: Request, exc: ToyError) -> APIError:
+    msg = str(exc) + (f" ({exc.hint})" if getattr(exc, "hint", None) else "")
+    path = request.url.path
+    if isinstance(exc, QueueFullError):
+        if srv.status == "stopping" or "shutting down" in str(exc):
+            return APIError(503, str(exc), type="server_error", headers={"retry-after": "1"})
+        return APIError(429, str(exc), type="rate_limit_error", code="queue_full", headers={"retry-after": "1"})
+    if isinstance(exc, ContextOverflowError):
+        return APIError(400, msg, param=DEFAULT_PARAM.get(path), code="context_length_exceeded")
+    if isinstance(exc, (BadInputError, ChatTemplateError, TokenizerError)):
+        lp = "top_logprobs" if path == CHAT else "logprobs"
+        return APIError(400, msg, param=S.param_of(str(exc), DEFAULT_PARAM.get(path), lp))
+    rid = request.scope.get("toy.request_id")
+    log.error("request %s: %s: %s", rid, type(exc).__name__, exc)
+    return internal(msg, rid)
+
+
+def _prompts(srv: Server, model: Any, prompt: Any, field: str, n: int) -> list[tuple[list[int], str]]:
+    """(token ids, text) of each prompt of a request (runs in a thread: tokenizing can take a while)."""
+    items = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
+    if not items:
+        raise APIError(400, f"{field} is empty", param=field)
+    limit = srv.settings.jobs_per_request
+    if len(items) * n > limit:
+        msg = f"this request would run {len(items) * n} sequences ({len(items)} x n={n}); at most {limit} are allowed"
+        raise APIError(400, msg, param=field if n == 1 else "n")
+    out, vocab, single = [], model.cfg.n_vocab, items[0] is prompt  # one prompt, not a list of them
+    for j, p in enumerate(items):
+        where = field if single else f"{field}.{j}"
+        if isinstance(p, str):
+            ids, text = model.tokenize(p), p
+        else:
+            bad = next((t for t in p if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"{where}: token id {bad} is outside the vocabulary (0..{vocab - 1})", param=where)
+            ids = list(p)
+            text = model.detokenize(ids)
+        if not ids:
+            raise APIError(400, f"{where} is empty (no tokens)", param=where)
+        out.append((ids, text))
+    return out
+
+
+def _budget(model: Any, ids: list[int], max_tokens: int | None) -> int:
+    """max_tokens for a prompt (None: the rest of the context); raises when prompt + max_tokens do not fit."""
+    n_ctx = model.engine.n_ctx
+    mt = max(n_ctx - len(ids), 0) if max_tokens is None else max_tokens
+    if len(ids) + mt > n_ctx:
+        raise ContextOverflowError(
+            f"this server's context is {n_ctx} tokens per request, but {len(ids) + mt} were requested "
+            f"({len(ids)} in the prompt, {mt} for the completion)",
+            hint="shorten the prompt or lower max_tokens",
+        )
+    return mt
+
+
+def _completion_event(c: Choice, ev: dict) -> tuple[str, dict | None]:
+    """What a completions event adds to choice ``c``: (text, logprobs entries) for a stream chunk."""
+    lp, text, t = c.lp, "", ev["type"]
+    n0 = len(lp.tokens) if lp is not None else 0
+    if t == "prompt_logprobs":
+        for pos, item in enumerate(ev["items"]):
+            if item is None:
+                lp.add(c.ids[pos], None, None)
+            else:
+                lp.add(item["token"], item["logprob"], item.get("top"))
+        text = c.echo
+    elif t == "token":
+        text = ev["text"]
+        if lp is not None and ev["token"] is not None and ev["logprob"] is not None:
+            lp.add(ev["token"], ev["logprob"].logprob, ev["logprob"].top)
+    return text, (lp.take(n0) if lp is not None and len(lp.tokens) > n0 else None)
+
+
+def _errors(*codes: int) -> dict[int | str, dict]:
+    """OpenAPI ``responses`` for these error statuses (all in OpenAI's error shape)."""
+    return {c: {"model": S.ErrorResponse, "description": HTTPStatus(c).phrase} for c in codes}
+
+
+_API = _errors(400, 401, 413, 429, 500, 503)
+_SSE = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": "OK (stream)"}}
+
+
+def add_routes(app: FastAPI, srv: Server) -> None:
+    alias = srv.settings.alias
+
+    @app.get("/health", responses={503: {"description": "loading, stopping or failed to load"}})
+    async def health() -> Response:
+        if srv.status == "ok":
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": srv.status, **({"message": srv.error} if srv.error else {})}, 503)
+
+    @app.get("/v1/models", responses=_errors(401, 500))
+    async def models() -> Response:
+        card = {"id": alias, "object": "model", "created": srv.created, "owned_by": "toy"}
+        if srv.status == "ok":
+            card["max_model_len"] = srv.model.engine.n_ctx
+        adapters = srv.adapters()
+        if adapters:  # file names only: a client has no business with the server's paths
+            card["lora"] = [{"name": Path(p).name if p else None, "scale": sc} for p, sc in adapters]
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> Response:
+        return Response(srv.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post(COMPLETIONS, responses={**_API, **_SSE})
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        model = srv.ready()
+        srv.check_model(body.model)
+        S.refuse_unsupported(body)
+        prompts = await asyncio.to_thread(_prompts, srv, model, body.prompt, "prompt", body.n)
+        k, batch = body.logprobs, Batch(srv, request)
+        for ids, text in prompts:
+            budget = _budget(model, ids, body.max_tokens)
+            for i in range(body.n):
+                params = S.sampling_params(body, max_tokens=budget, logprobs=k, index=i)
+                c = batch.add(ids, params, i == 0, prompt_logprobs=k if body.echo and k is not None else None)
+                c.echo = text if body.echo else ""
+                c.lp = S.LegacyLogprobs(model.tokenizer) if k is not None else None
+        batch.submit()
+        head = {"id": f"cmpl-{batch.rid}", "object": "text_completion", "created": int(time.time()), "model": alias}
+        if not body.stream:
+            async for c, ev in batch.events(watch=True):
+                _completion_event(c, ev)
+            if err := batch.failed():
+                raise err
+            choices = []
+            for c in batch.choices:
+                lps = c.lp.take() if c.lp is not None else None
+                choices.append(
+                    {"index": c.index, "text": c.echo + "".join(c.text), "logprobs": lps, "finish_reason": c.finish}
+                )
+            return JSONResponse({**head, "choices": choices, "usage": batch.usage()})
+        extra = {"usage": None} if body.include_usage else {}
+
+        def chunk(c: Choice, text: str, logprobs: dict | None, finish: str | None) -> str:
+            choice = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return sse({**head, "choices": [choice], **extra})
+
+        async def gen() -> AsyncIterator[str]:
+            for c in batch.choices:
+                if c.echo and c.lp is None:
+                    yield chunk(c, c.echo, None, None)
+            async for c, ev in batch.events(watch=False):
+                text, lps = _completion_event(c, ev)
+                if ev["type"] == "done":
+                    yield chunk(c, "", None, c.finish)
+                elif text or lps:
+                    yield chunk(c, text, lps, None)
+            if body.include_usage:
+                yield sse({**head, "choices": [], "usage": batch.usage()})
+
+        return stream(safe_stream(batch, gen()))
+
+    @app.post(CHAT, responses={**_API, **_SSE})
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        model = srv.ready()
+        srv.check_model(body.model)
+        S.refuse_unsupported(body)
+        if body.n > srv.settings.jobs_per_request:
+            raise APIError(400, f"n={body.n} is more than {srv.settings.jobs_per_request} sequences", param="n")
+        ids = await asyncio.to_thread(model.prompt_ids, [m.plain() for m in body.messages])
+        budget = _budget(model, ids, body.budget)
+        k, batch, tok = (body.top_logprobs or 0) if body.logprobs else None, Batch(srv, request), model.tokenizer
+        for i in range(body.n):
+            c = batch.add(ids, S.sampling_params(body, max_tokens=budget, logprobs=k, index=i), i == 0)
+            c.lp = [] if k is not None else None
+        batch.submit()
+
+        def entry(c: Choice, ev: dict) -> list | None:
+            if c.lp is None or ev["type"] != "token" or ev["token"] is None or ev["logprob"] is None:
+                return None
+            c.lp.append(S.chat_logprob(tok, ev["token"], ev["logprob"].logprob, ev["logprob"].top))
+            return c.lp[-1:]
+
+        head = {"id": f"chatcmpl-{batch.rid}", "created": int(time.time()), "model": alias}
+        if not body.stream:
+            async for c, ev in batch.events(watch=True):
+                entry(c, ev)
+            if err := batch.failed():
+                raise err
+            choices = []
+            for c in batch.choices:
+                message = {"role": "assistant", "content": "".join(c.text)}
+                lps = {"content": c.lp} if c.lp is not None else None
+                choices.append({"index": c.index, "message": message, "logprobs": lps, "finish_reason": c.finish})
+            return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": batch.usage()})
+        head = {**head, "object": "chat.completion.chunk", **({"usage": None} if body.include_usage else {})}
+
+        def chunk(c: Choice, delta: dict, logprobs: list | None, finish: str | None) -> str:
+            lps = {"content": logprobs} if logprobs is not None else None
+            return sse(
+                {**head, "choices": [{"index": c.index, "delta": delta, "logprobs": lps, "finish_reason": finish}]}
+            )
+
+        async def gen() -> AsyncIterator[str]:
+            for c in batch.choices:
+                yield chunk(c, {"role": "assistant", "content": ""}, None, None)
+            async for c, ev in batch.events(watch=False):
+                lps = entry(c, ev)
+                if ev["type"] == "done":
+                    yield chunk(c, {}, None, c.finish)
+                elif ev["type"] == "token" and (ev["text"] or lps):
+                    yield chunk(c, {"content": ev["text"]}, lps, None)
+            if body.include_usage:
+                yield sse({**head, "choices": [], "usage": batch.usage()})
+
+        return stream(safe_stream(batch, gen()))
+
+    @app.post(EMBEDDINGS, responses=_API)
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        model = srv.ready()
+        srv.check_model(body.model)
+        d = model.cfg.d_model
+        if body.dimensions is not None and body.dimensions != d:
+            msg = f"dimensions={body.dimensions}: this model's embeddings have {d} dimensions (no truncation)"
+            raise APIError(400, msg, param="dimensions")
+        inputs = await asyncio.to_thread(_prompts, srv, model, body.input, "input", 1)
+        batch = Batch(srv, request)
+        for ids, _ in inputs:
+            _budget(model, ids, 0)
+            batch.add(ids, SamplingParams(max_tokens=0), kind="embed")
+        batch.submit()
+        async for _ in batch.events(watch=True):
+            pass
+        if err := batch.failed():
+            raise err
+        data = []
+        for c in batch.choices:
+            v = np.asarray(c.vector if c.vector is not None else np.zeros(d), dtype=np.float64)
+            norm = float(np.linalg.norm(v))
+            v = (v / norm if body.normalize and norm > 0 else v).astype("<f4")
+            emb = base64.b64encode(v.tobytes()).decode("ascii") if body.encoding_format == "base64" else v.tolist()
+            data.append({"object": "embedding", "index": c.index, "embedding": emb})
+        n = batch.usage()["prompt_tokens"]
+        usage = {"prompt_tokens": n, "total_tokens": n}
+        return JSONResponse({"object": "list", "data": data, "model": alias, "usage": usage})
+
+    @app.post("/tokenize", responses=_API)
+    async def tokenize(body: TokenizeRequest) -> Response:
+        model = srv.ready()
+        srv.check_model(body.model)
+        return JSONResponse({"tokens": await asyncio.to_thread(model.tokenize, body.content, body.add_special)})
+
+    @app.post("/detokenize", responses=_API)
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        model = srv.ready()
+        srv.check_model(body.model)
+        n = model.tokenizer.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < n), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary (0..{n - 1})", param="tokens")
+        return JSONResponse({"content": await asyncio.to_thread(model.detokenize, body.tokens)})

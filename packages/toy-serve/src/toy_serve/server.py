@@ -1,0 +1,138 @@
+"""One app's state (``Server``: settings, model, worker, metrics, run bundle)
+and the request paths the other modules share. See ``toy_serve.app`` for the
+app's invariants and decisions."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from toy_serve.metrics import Metrics
+from toy_serve.schemas import APIError
+from toy_serve.settings import Settings
+from toy_serve.worker import EngineWorker
+
+log = logging.getLogger("toy_serve")
+
+COMPLETIONS, CHAT, EMBEDDINGS = "/v1/completions", "/v1/chat/completions", "/v1/embeddings"
+ENDPOINTS = {"/health", "/v1/models", "/metrics", COMPLETIONS, CHAT, EMBEDDINGS, "/tokenize", "/detokenize"}
+OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}
+LOGGED = {COMPLETIONS, CHAT, EMBEDDINGS}
+DEFAULT_PARAM = {
+    COMPLETIONS: "prompt",
+    CHAT: "messages",
+    EMBEDDINGS: "input",
+    "/tokenize": "content",
+    "/detokenize": "tokens",
+}
+POLL_S = 0.25
+
+
+class Server:
+    """Everything one app owns: settings, model, worker, metrics, run bundle."""
+
+    def __init__(self, settings: Settings, model: Any | None):
+        self.settings, self.model, self.owns_model = settings, model, model is None
+        self.metrics = Metrics()
+        self.worker: EngineWorker | None = None
+        self.writer: Any = None
+        self.status, self.error = "loading", None
+        self.created = int(time.time())
+        self.names = settings.model_names()
+        self.on_fatal: Any = None  # set by the CLI: called with the exception when loading fails
+        self.n_requests = 0
+
+    def _load(self) -> Any:
+        import toy
+
+        s = self.settings
+        return toy.load(
+            s.model,
+            device=s.device,
+            n_ctx=s.ctx,
+            threads=s.threads,
+            n_slot=s.parallel,
+            exact_batching=True,
+            lora=list(s.lora) or None,
+        )
+
+    def adapters(self) -> list[tuple[str | None, float]]:
+        """The LoRA adapters applied: the loaded model's, else (still loading) the settings'."""
+        if self.model is not None:
+            return list(getattr(self.model, "adapters", []))
+        return list(self.settings.lora)
+
+    def _begin(self) -> None:
+        from toy.runs.writer import RunWriter
+
+        m, s = self.model, self.settings
+        info = {"path": str(m.path), "alias": s.alias, "n_ctx": m.engine.n_ctx, "n_slot": m.engine.n_slot}
+        info.update(n_vocab=m.cfg.n_vocab, d_model=m.cfg.d_model, n_layer=m.cfg.n_layer)
+        info["lora"] = [{"path": p, "scale": sc} for p, sc in self.adapters()]
+        self.writer = RunWriter("serve", s.config(), root=s.runs_dir, model=info)
+        try:
+            self.worker = EngineWorker(m, max_queue=s.max_queue, prefill_chunk=s.prefill_chunk, metrics=self.metrics)
+            self.worker.start()
+        except BaseException:
+            self.writer.end("errored")
+            raise
+        self.status = "ok"
+
+    async def start(self) -> None:
+        try:
+            if self.model is None:
+                self.model = await asyncio.to_thread(self._load)
+            self._begin()
+        except Exception as e:  # noqa: BLE001 - reported on /health and to the CLI
+            self.status, self.error = "error", f"{type(e).__name__}: {e}"
+            log.error("the server could not start: %s", self.error)
+            if self.on_fatal:
+                self.on_fatal(e)
+
+    async def stop(self, loading: asyncio.Task | None) -> None:
+        self.status = "stopping"
+        if loading is not None:
+            await loading  # a model being loaded is waited for (a thread cannot be cancelled), then closed
+            self.status = "stopping"
+        left = 0
+        if self.worker is not None:
+            deadline = time.monotonic() + self.settings.drain_timeout
+            while self.worker.busy() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            left = self.worker.busy()
+            await asyncio.to_thread(self.worker.stop)
+        if self.writer is not None:
+            self.writer.end("completed", requests=self.n_requests, abandoned=left)
+        if self.owns_model and self.model is not None:
+            await asyncio.to_thread(self.model.close)
+
+    def ready(self) -> Any:
+        if self.status != "ok":
+            what = {"loading": "the model is still loading", "stopping": "the server is shutting down"}
+            msg = what.get(self.status, f"the model failed to load: {self.error}")
+            raise APIError(503, msg, type="server_error", code="model_loading" if self.status == "loading" else None)
+        return self.model
+
+    def check_model(self, name: str | None) -> None:
+        if name and name not in self.names:
+            msg = f"model {name!r} is not served here (this server serves {self.settings.alias!r})"
+            raise APIError(400, msg, param="model", code="model_not_found")
+
+    def log_request(self, rid: str, endpoint: str, status: int, stats: dict, duration: float) -> None:
+        self.n_requests += 1
+        if self.writer is None:
+            return
+        ttft, done = stats.get("ttft_s"), stats.get("completion_tokens")
+        tok_s = done / (duration - ttft) if ttft is not None and done and duration > ttft else None
+        fields = {"prompt_tokens": stats.get("prompt_tokens"), "completion_tokens": done, "ttft_s": ttft}
+        fields.update(duration_s=duration, tok_s=tok_s, finish_reason=stats.get("finish_reason"))
+        try:
+            self.writer.event("request", request_id=rid, endpoint=endpoint, status=status, **fields)
+        except RuntimeError:  # the run has ended (shutdown raced a late request)
+            pass
+
+
+def internal(message: str, rid: str | None) -> APIError:
+    return APIError(500, f"{message} (request id {rid})", type="server_error", code="internal_error")
