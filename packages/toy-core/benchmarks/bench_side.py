@@ -4,9 +4,10 @@ The parent writes one command per line to the child's stdin; the child
 answers with one JSON object per stdout line (other lines are ignored) and
 writes its logs to stderr, which goes to ``<logdir>/<name>.stderr`` and is
 quoted when the child dies. A watchdog kills a child still running after
-``timeout_s``. Used by ``test_bench_infer.py``, ``test_bench_train.py`` and
-``test_bench_finetune.py`` (``alternate``: the timed rounds of the training ones)
-(registered under this name by the root conftest.py).
+``timeout_s``. Used by ``test_bench_infer.py``, ``test_bench_batch_decode.py``,
+``test_bench_train.py`` and ``test_bench_finetune.py`` (``alternate``: the timed
+rounds of the training ones); ``TEXT`` is the inference benchmarks' prompt
+text. Registered under this name by the root conftest.py.
 """
 
 from __future__ import annotations
@@ -17,6 +18,27 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+
+# An English text the inference benchmarks tokenize (with toy's tokenizer) into their prompts.
+TEXT = (
+    "The old lighthouse stood at the end of a narrow spit of land, where the river met the sea. "
+    "For more than a hundred years its keepers had climbed the spiral stairs every evening to light the lamp, "
+    "wind the clockwork that turned the lens, and write a few lines in the logbook about the weather, "
+    "the ships that passed and the birds that rested on the gallery rail. "
+    "When the light was automated, the last keeper moved to a cottage in the village, but she still walked "
+    "out along the shore each morning to look at the tower and check that the paint was not peeling.\n\n"
+    "Children from the school sometimes followed her and asked questions. Why was the tower painted in red "
+    "and white bands? So that sailors could recognise it by day, she told them, because every lighthouse on "
+    "the coast had its own pattern. Why did the light flash instead of shining steadily? For the same reason: "
+    "each one had its own rhythm, two short flashes and a long pause here, three flashes farther north, "
+    "so that a captain counting the seconds on a dark night would know exactly where he was.\n\n"
+    "In winter the storms came in from the west. Waves broke over the rocks and threw spray as high as the "
+    "lantern room, and the wind made the windows hum. The keeper remembered nights when the power failed and "
+    "she had to light the backup lamp by hand, and one night when a fishing boat lost its engine and drifted "
+    "towards the reef until the lifeboat crew reached it and towed it into the harbour just before dawn. "
+    "She wrote all of it down, and the logbooks now fill a shelf in the small museum next to the church, "
+    "where visitors can read about a century of weather, shipwrecks, rescues and ordinary quiet evenings.\n\n"
+)
 
 
 class Side:
@@ -78,4 +100,4 @@ def alternate(sides: dict[str, Side], per_round: list[int], settle_s: float, out
     return out
 
 
-__all__ = ["Side", "alternate"]
+__all__ = ["TEXT", "Side", "alternate"]

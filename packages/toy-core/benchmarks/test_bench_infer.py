@@ -56,7 +56,7 @@ import time
 from pathlib import Path
 
 import pytest
-from bench_side import Side
+from bench_side import TEXT, Side
 
 pytestmark = pytest.mark.bench
 
@@ -76,26 +76,6 @@ RSS_SLACK = 100_000_000  # the target: peak RSS <= file + KV cache + 100 MB
 # ggml default poll); on a 2-core machine the next side would share the cores with it
 SETTLE_S = 0.5
 SIDE_TIMEOUT_S = 1800  # a side still running after this is killed (the test then fails)
-
-TEXT = (
-    "The old lighthouse stood at the end of a narrow spit of land, where the river met the sea. "
-    "For more than a hundred years its keepers had climbed the spiral stairs every evening to light the lamp, "
-    "wind the clockwork that turned the lens, and write a few lines in the logbook about the weather, "
-    "the ships that passed and the birds that rested on the gallery rail. "
-    "When the light was automated, the last keeper moved to a cottage in the village, but she still walked "
-    "out along the shore each morning to look at the tower and check that the paint was not peeling.\n\n"
-    "Children from the school sometimes followed her and asked questions. Why was the tower painted in red "
-    "and white bands? So that sailors could recognise it by day, she told them, because every lighthouse on "
-    "the coast had its own pattern. Why did the light flash instead of shining steadily? For the same reason: "
-    "each one had its own rhythm, two short flashes and a long pause here, three flashes farther north, "
-    "so that a captain counting the seconds on a dark night would know exactly where he was.\n\n"
-    "In winter the storms came in from the west. Waves broke over the rocks and threw spray as high as the "
-    "lantern room, and the wind made the windows hum. The keeper remembered nights when the power failed and "
-    "she had to light the backup lamp by hand, and one night when a fishing boat lost its engine and drifted "
-    "towards the reef until the lifeboat crew reached it and towed it into the harbour just before dawn. "
-    "She wrote all of it down, and the logbooks now fill a shelf in the small museum next to the church, "
-    "where visitors can read about a century of weather, shipwrecks, rescues and ordinary quiet evenings.\n\n"
-)
 
 
 # ---------------------------------------------------------------- setup
