@@ -102,12 +102,16 @@ def test_broadcast_activations(qt):
         np.testing.assert_array_equal(whole[a, b], parts[k], err_msg=f"slice {a},{b}")
 
 
+# (37, 19): ggml splits the work into 16-row chunks; (16, 20): too few chunks,
+# so ggml gives each thread a range of activation rows instead, which then
+# start mid-tile (e.g. rows 10..19 with 2 threads)
+@pytest.mark.parametrize("rows,n", [(OUT, 19), (16, 20)])
 @pytest.mark.parametrize("qt", [Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
-def test_threads_and_numpy(qt):
+def test_threads_and_numpy(qt, rows, n):
     rng = np.random.default_rng(82)
-    raw, w = _weights(qt, rng, (OUT, IN))
-    x = rng.standard_normal((19, IN)).astype(np.float32)
-    results = [_products(qt, raw, (OUT, IN), [x], threads=t)[0] for t in (1, 2, 3)]
+    raw, w = _weights(qt, rng, (rows, IN))
+    x = rng.standard_normal((n, IN)).astype(np.float32)
+    results = [_products(qt, raw, (rows, IN), [x], threads=t)[0] for t in (1, 2, 3)]
     np.testing.assert_array_equal(results[0], results[1])
     np.testing.assert_array_equal(results[0], results[2])
     ref = x.astype(np.float64) @ w.astype(np.float64).T
@@ -116,3 +120,5 @@ def test_threads_and_numpy(qt):
     scale = np.abs(ref).max()
     np.testing.assert_allclose(results[0], ref, rtol=0, atol=0.01 * scale)
     assert not np.array_equal(results[0], ref.astype(np.float32))  # quantized, not exact
+    alone = [_products(qt, raw, (rows, IN), [x[i : i + 1]], threads=2)[0] for i in range(n)]
+    np.testing.assert_array_equal(results[1], np.concatenate(alone))
