@@ -33,19 +33,9 @@ import sys
 import time
 
 import numpy as np
+from bench_side import vm_hwm_bytes  # this folder: run as a script, its folder is on sys.path
 
 import toy
-
-
-def vm_hwm_bytes() -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def level(engine, prompts: list[list[int]], S: int, steps: int) -> dict:

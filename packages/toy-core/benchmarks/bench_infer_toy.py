@@ -39,17 +39,7 @@ import json
 import sys
 import time
 
-
-def vm_hwm_bytes() -> int | None:
-    """Peak resident set of this process (Linux ``VmHWM``), in bytes."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+from bench_side import vm_hwm_bytes  # this folder: run as a script, its folder is on sys.path
 
 
 class _ComputeTimer:

@@ -12,9 +12,11 @@ text. Registered under this name by the root conftest.py.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -100,4 +102,25 @@ def alternate(sides: dict[str, Side], per_round: list[int], settle_s: float, out
     return out
 
 
-__all__ = ["TEXT", "Side", "alternate"]
+def peer_python() -> str | None:
+    """The Python that runs a benchmark's llama.cpp side: ``$TOY_BENCH_LLAMA_PYTHON``,
+    else this interpreter when it can import ``llama_cpp``, else None (no peer)."""
+    env = os.environ.get("TOY_BENCH_LLAMA_PYTHON")
+    if env:
+        return env
+    return sys.executable if importlib.util.find_spec("llama_cpp") is not None else None
+
+
+def vm_hwm_bytes() -> int | None:
+    """Peak resident set of this process (Linux ``VmHWM``), in bytes."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+__all__ = ["TEXT", "Side", "alternate", "peer_python", "vm_hwm_bytes"]

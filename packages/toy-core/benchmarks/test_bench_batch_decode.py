@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from bench_side import TEXT, Side, alternate
+from bench_side import TEXT, Side, alternate, peer_python
 
 pytestmark = pytest.mark.bench
 
@@ -54,15 +54,6 @@ STEPS = int(os.environ.get("TOY_BENCH_BATCH_STEPS", "24"))
 SETTLE_S = 0.5
 SIDE_TIMEOUT_S = 1800
 TARGET_SCALING = 2.5  # the serving issue's target: 8 streams >= 2.5x one stream
-
-
-def peer_python() -> str | None:
-    env = os.environ.get("TOY_BENCH_LLAMA_PYTHON")
-    if env:
-        return env
-    import importlib.util
-
-    return sys.executable if importlib.util.find_spec("llama_cpp") is not None else None
 
 
 def prompts_file(model: str, folder: Path) -> Path:

@@ -47,7 +47,6 @@ seconds and bigger for bytes (each record says which way is better).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import statistics
@@ -56,7 +55,7 @@ import time
 from pathlib import Path
 
 import pytest
-from bench_side import TEXT, Side
+from bench_side import TEXT, Side, peer_python
 
 pytestmark = pytest.mark.bench
 
@@ -79,13 +78,6 @@ SIDE_TIMEOUT_S = 1800  # a side still running after this is killed (the test the
 
 
 # ---------------------------------------------------------------- setup
-
-
-def peer_python() -> str | None:
-    env = os.environ.get("TOY_BENCH_LLAMA_PYTHON")
-    if env:
-        return env
-    return sys.executable if importlib.util.find_spec("llama_cpp") is not None else None
 
 
 @pytest.fixture(scope="module")

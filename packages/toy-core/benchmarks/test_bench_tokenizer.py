@@ -17,15 +17,14 @@ with the llama.cpp ratio, and toy ``encode_batch`` over the text's paragraphs
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from bench_side import peer_python
 
 from toy.tokenizer import Tokenizer
 
@@ -52,13 +51,6 @@ def best_of(fn, repeat: int = 5) -> tuple[float, object]:
         dt = time.perf_counter() - t0
         best = dt if best is None else min(best, dt)
     return best, out
-
-
-def peer_python() -> str | None:
-    env = os.environ.get("TOY_BENCH_LLAMA_PYTHON")
-    if env:
-        return env
-    return sys.executable if importlib.util.find_spec("llama_cpp") is not None else None
 
 
 def run_peer(python: str, model: Path) -> dict:
