@@ -8,7 +8,9 @@ wheel lookup), ``import gguf_bytes`` (a raw GGUF byte builder) and
 models covering every config variant, for forward and engine tests),
 ``import torch_llama`` (the float64 PyTorch training reference),
 ``from train_helpers import packed_batch, assert_grads_close`` (batches and
-the gradient comparison of the training-engine tests) and
+the gradient comparison of the training-engine tests),
+``from cli_helpers import run, assert_clean_error, FakeStdin`` (the CLI tests'
+in-process ``toy``, clean-error check and fake stdin) and
 ``from bench_side import Side`` (a benchmark's child process).
 
 ``record`` (benchmarks): print one figure as a JSON line on stdout with at
@@ -59,6 +61,7 @@ _HELPERS = {
     "bench_side": "packages/toy-core/benchmarks/bench_side.py",
     "torch_llama": "packages/toy-core/tests/torch_llama.py",
     "train_helpers": "packages/toy-core/tests/train_helpers.py",
+    "cli_helpers": "packages/toy-cli/tests/cli_helpers.py",
 }
 
 

@@ -12,14 +12,9 @@ import shutil
 import subprocess
 import sys
 
+from cli_helpers import run
+
 import toy_ggml
-from toy_cli.main import main
-
-
-def run(capsys, *args):
-    code = main(list(args))
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_version(capsys):

@@ -15,16 +15,9 @@ import json
 import sys
 
 import pytest
-
-from toy_cli.main import main
+from cli_helpers import run
 
 pytestmark = pytest.mark.model
-
-
-def run(capsys, *args):
-    code = main([str(a) for a in args])
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def write(path, rows):

@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 
 import pytest
+from cli_helpers import run
 
 from toy_cli.main import main
 
@@ -26,12 +27,6 @@ def _env(monkeypatch, tmp_path):
     monkeypatch.setenv("TOY_THREADS", "1")
     monkeypatch.setenv("TOY_DEVICE", "cpu")
     monkeypatch.setenv("TOY_RUNS_DIR", str(tmp_path / "runs"))
-
-
-def run(capsys, *args):
-    code = main([str(a) for a in args])
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def bad(capsys, want, *args):

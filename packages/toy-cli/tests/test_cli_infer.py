@@ -18,7 +18,6 @@ demand, and to one thread (see ``_cpu_one_thread``). Nothing here asserts on spe
 
 from __future__ import annotations
 
-import io
 import json
 import signal
 import sys
@@ -27,39 +26,12 @@ from pathlib import Path
 
 import pytest
 import toy_test_models as mp  # registered by the root conftest.py
-
-from toy_cli.main import main
+from cli_helpers import FakeStdin, assert_clean_error, run
 
 FIXTURE = Path(__file__).resolve().parents[2] / "toy-core/tests/fixtures/smollm2_generation_llamacpp.json"
 # The default system message of SmolLM2's chat template (the fixture's chat prompts use it).
 SMOL_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 EOG_IDS = {0, 2, 4}  # <|endoftext|>, <|im_end|>, <reponame> (the fixture's eog_ids)
-
-
-def run(capsys, *args):
-    code = main([str(a) for a in args])
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def assert_clean_error(code, err, want_code, *fragments, hint: bool = False):
-    """An ``error:`` line (and a ``hint:`` line when ``hint``), no traceback."""
-    assert code == want_code, err
-    assert err.startswith("error: ") or "\nerror: " in err, err
-    if hint:
-        assert "hint: " in err, err
-    assert "Traceback" not in err, err
-    for f in fragments:
-        assert f in err, err
-
-
-class FakeStdin(io.StringIO):
-    def __init__(self, text: str = "", tty: bool = False):
-        super().__init__(text)
-        self._tty = tty
-
-    def isatty(self) -> bool:
-        return self._tty
 
 
 class InterruptOnFirstWrite:

@@ -21,7 +21,6 @@ Runs are pinned to the CPU and one thread (the machine may be shared).
 
 from __future__ import annotations
 
-import io
 import json
 import sys
 import time
@@ -30,35 +29,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import toy_test_models as mp  # registered by the root conftest.py
+from cli_helpers import FakeStdin, assert_clean_error, run
 
 import toy
 from toy.train.adapter import save_adapter
-from toy_cli.main import main
 
 PROMPT = "Once upon a time, in a small village,"
 QUESTION = "What is the tallest mountain in the world?"
 IDS = [1, 5, 9, 33, 2, 70, 4, 4, 12, 88, 40, 41, 7, 0, 63, 95, 17]
-
-
-def run(capsys, *args):
-    code = main([str(a) for a in args])
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def assert_clean_error(code, err, want_code, *fragments, hint: bool = False):
-    assert code == want_code, err
-    assert err.startswith("error: ") or "\nerror: " in err, err
-    if hint:
-        assert "hint: " in err, err
-    assert "Traceback" not in err, err
-    for f in fragments:
-        assert f in err, err
-
-
-class FakeStdin(io.StringIO):
-    def isatty(self) -> bool:
-        return False
 
 
 @pytest.fixture(autouse=True)

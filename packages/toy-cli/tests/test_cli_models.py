@@ -17,14 +17,7 @@ from pathlib import Path
 import gguf
 import pytest
 import toy_test_models as mp  # registered by the root conftest.py
-
-from toy_cli.main import main
-
-
-def run(capsys, *args):
-    code = main([str(a) for a in args])
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from cli_helpers import run
 
 
 def assert_error(code, err, want_code, *fragments):

@@ -13,18 +13,11 @@ import json
 import sys
 
 import pytest
-
-from toy_cli.main import main
+from cli_helpers import run
 
 A = "train-20260101-000000-aaaa"  # completed, 4 steps
 B = "train-20260103-000000-bbbb"  # interrupted, 2 steps, one malformed line (line 3)
 S = "serve-20260102-000000-cccc"  # serve, 2 requests
-
-
-def run(capsys, *args):
-    code = main([str(a) for a in args])
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def assert_error(code, err, want_code, *fragments):
