@@ -410,14 +410,15 @@ def test_not_a_model_file(capsys, tmp_path):
 
 
 def test_model_that_cannot_be_run(capsys, tmp_path):
-    """Valid GGUF files toy cannot generate with: a gpt2 model, and a llama
-    model whose BPE tokenizer has no merges. Clean errors, no traceback."""
+    """Valid GGUF files toy cannot generate with: an architecture the
+    registry does not know, and a llama model whose BPE tokenizer has no
+    merges. Clean errors, no traceback."""
     from toy.gguf import GGUFFile
 
-    gpt2 = mp.write_tiny_model(tmp_path / "gpt2.gguf", arch="gpt2")
-    code, out, err = run(capsys, "infer", gpt2, "Hi")
+    other = mp.write_tiny_model(tmp_path / "mamba.gguf", arch="mamba")
+    code, out, err = run(capsys, "infer", other, "Hi")
     assert code in (1, 2) and out == ""
-    assert_clean_error(code, err, code, "'gpt2' is not a llama-family model", "llama", hint=True)
+    assert_clean_error(code, err, code, "architecture 'mamba' is not supported", "llama, qwen2, qwen3, gpt2", hint=True)
     codes = [code]
     llama = mp.write_tiny_model(tmp_path / "llama.gguf")  # a BPE ("gpt2") tokenizer without merges
     with GGUFFile(llama) as gf:

@@ -10,7 +10,7 @@ What runs (per shape ``B x T``: B=1, T=256 and B=4, T=128 by default):
   ``toy.gguf.quantize_model(src, dst, "f32")`` in a temporary folder), toy
   QLoRA on the Q4_1 file itself (``toy-q4_1``), and PyTorch LoRA (``torch``)
   on the F32 file's weights. LoRA rank 8, alpha 16 (scale 2), targets q, k,
-  v, o. toy: ``TrainEngine(LoraLlamaTrain(cfg, bind_tensors(file),
+  v, o. toy: ``TrainEngine(LoraTrain(cfg, bind_tensors(file),
   settings), init_lora(shapes, 0), Runtime("cpu", threads=N), ...)`` (the
   base bound zero-copy and frozen, as ``toy train lora`` does). torch: the
   llama ``nn.Module`` of ``test_bench_train.py`` with every weight frozen
@@ -19,7 +19,7 @@ What runs (per shape ``B x T``: B=1, T=256 and B=4, T=128 by default):
   A and B the same NumPy values toy starts from (``init_lora`` with the same
   seed: PEFT's init, B = 0); ``torch.optim.AdamW(fused=True)`` and
   ``clip_grad_norm_`` on the LoRA parameters only.
-- ``full``: two processes, toy (``LlamaTrain`` on the dequantized weights,
+- ``full``: two processes, toy (``ArchTrain`` on the dequantized weights,
   every weight trainable) and torch (the same module, every weight
   trainable): ``test_bench_train.py``'s ``ToySide`` and ``TorchSide`` as they
   are, fed with the F32 file's weights.
@@ -184,12 +184,12 @@ class ToyLoraSide(bt.ToySide):
         import toy_ggml
         from toy.gguf import bind_tensors
         from toy.train.engine import TrainEngine
-        from toy.train.lora import LoraLlamaTrain, init_lora
+        from toy.train.lora import LoraTrain, init_lora
         from toy.train.optim import OptimConfig
 
         runtime = toy_ggml.Runtime("cpu", threads=threads)
         self.bound = bind_tensors(gf, runtime)
-        model = LoraLlamaTrain(cfg, self.bound.tensors, lora_settings(), runtime=runtime, batch=batch, context=context)
+        model = LoraTrain(cfg, self.bound.tensors, lora_settings(), runtime=runtime, batch=batch, context=context)
         init = init_lora(model.shapes, SEED)
         self.engine = TrainEngine(model, init, runtime, OptimConfig(lr=bt.LR), batch=batch, context=context)
         self.runtime = self.engine.runtime = bt._Timed(runtime)
@@ -224,8 +224,7 @@ class TorchLoraSide(bt.TorchSide):
     def __init__(self, cfg, weights: Mapping, batch: int, context: int, threads: int):
         import torch
 
-        from toy.train.adapter import TARGETS
-        from toy.train.lora import init_lora, lora_shapes
+        from toy.train.lora import init_lora, lora_shapes, targets_of
 
         torch.set_num_threads(threads)
         self.torch = torch
@@ -238,12 +237,13 @@ class TorchLoraSide(bt.TorchSide):
             for g, t in names.items():
                 own[t].copy_(torch.from_numpy(weights[g]))
         model.requires_grad_(False)
-        settings = lora_settings()
+        settings = lora_settings().resolved(cfg)
+        stems = {t: x.stem for t, x in targets_of(cfg).items()}
         shapes = lora_shapes({n: tuple(weights.gf.tensors[n].shape) for n in weights}, cfg, settings)
         init = init_lora(shapes, SEED)  # toy's values: the same function, seed and order
         for i, blk in enumerate(model.blocks):
             for t in settings.targets:
-                w = f"blk.{i}.{TARGETS[t]}.weight"
+                w = f"blk.{i}.{stems[t]}.weight"
                 setattr(blk, t, lora_linear(getattr(blk, t), init[f"{w}.lora_a"], init[f"{w}.lora_b"], settings.scale))
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]

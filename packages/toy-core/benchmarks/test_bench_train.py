@@ -11,7 +11,7 @@ Each side runs in a process of its own (this file run as a script with
 ``--side toy|torch``), so each one's peak RSS is its own; the protocol is the
 inference benchmark's: one JSON object per stdout line, commands on stdin.
 A side imports its framework, notes its RSS (the start), draws the
-starting weights with ``toy.train.llama.init_params(cfg, 0)`` (the torch side
+starting weights with ``toy.train.model.init_params(cfg, 0)`` (the torch side
 copies the same NumPy arrays into its module, then both drop them), builds
 its model and optimizer, runs ``WARMUP`` (2) untimed steps (toy builds its
 step graph on the first) and prints ``ready``. Per shape the toy side is
@@ -20,7 +20,7 @@ started and warmed up, then the torch side; then ``ROUNDS`` (2) rounds of
 pause before each, so both see the same machine noise. A figure is the
 median over a side's K step times.
 
-- toy: ``TrainEngine(LlamaTrain(cfg), params, toy_ggml.Runtime("cpu",
+- toy: ``TrainEngine(ArchTrain(cfg), params, toy_ggml.Runtime("cpu",
   threads=N), OptimConfig(lr=1e-3), batch=B, context=T)``, the config built
   as ``toy.train.loop`` does (RoPE "normal" over the whole head, tied output,
   RMS eps 1e-5); a step is ``engine.train_step([batch], 1e-3)`` (batch
@@ -114,7 +114,7 @@ if not QUICK:
 def llama_config(preset: str, vocab: int, context: int):
     """The LlamaConfig of a preset, as ``toy train`` builds it."""
     from toy.train.config import ModelShape
-    from toy.train.llama import model_config
+    from toy.train.model import model_config
 
     return model_config(ModelShape(preset=preset), vocab, context)
 
@@ -192,11 +192,11 @@ class ToySide:
     def __init__(self, cfg, params, batch: int, context: int, threads: int):
         import toy_ggml
         from toy.train.engine import TrainEngine
-        from toy.train.llama import LlamaTrain
+        from toy.train.model import ArchTrain
         from toy.train.optim import OptimConfig
 
         runtime = toy_ggml.Runtime("cpu", threads=threads)
-        self.engine = TrainEngine(LlamaTrain(cfg), params, runtime, OptimConfig(lr=LR), batch=batch, context=context)
+        self.engine = TrainEngine(ArchTrain(cfg), params, runtime, OptimConfig(lr=LR), batch=batch, context=context)
         self.runtime = self.engine.runtime = _Timed(runtime)  # the engine's steps go through it
         self.n_params = int(sum(_prod(s.shape) for s in self.engine.specs))
         self.version = _version("toy-core")
@@ -402,7 +402,7 @@ def side_main(argv: list[str]) -> None:
     else:
         import toy_ggml  # noqa: F401
         from toy.train.engine import TrainEngine  # noqa: F401
-    from toy.train.llama import init_params
+    from toy.train.model import init_params
 
     rss_start = proc_status_bytes("VmRSS")
     t0 = time.perf_counter()

@@ -35,8 +35,9 @@ from toy.engine.llm import ContextOverflowError, LLMEngine
 from toy.errors import ToyError
 from toy.gguf import GGUFFile
 from toy.gguf.convert import quantize_model
-from toy.models.llama import LlamaModel, padded_length
+from toy.models.common import padded_length
 from toy.reference import llama_np
+from toy.reference.full import FullModel
 
 TOL_F32 = 1e-4
 TOL_F16 = 1e-2
@@ -71,12 +72,12 @@ def model_files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def models(rt, model_files):
-    """name -> LlamaModel (K/V unrounded, no padding) sharing the runtime."""
+    """name -> FullModel (K/V unrounded, no padding) sharing the runtime."""
     opened = {}
 
     def get(name):
         if name not in opened:
-            opened[name] = LlamaModel.load(model_files[name], rt, kv_type=None, kv_pad=1)
+            opened[name] = FullModel.load(model_files[name], rt, kv_type=None, kv_pad=1)
         return opened[name]
 
     yield get
@@ -139,7 +140,7 @@ def _unscaled(cfg):
 def test_rope_scaling_config_and_full_forward(models, name):
     """The scaling is read from the file (so the reference, which takes the
     same config, is not agreeing with the graph vacuously), it changes the
-    logits, and LlamaModel's full-sequence forward matches the reference."""
+    logits, and FullModel's full-sequence forward matches the reference."""
     m = models(name)
     kw, cfg = VARIANTS[name], m.cfg
     want = {"rope_linear": "linear", "rope_yarn": "yarn", "rope_llama3_freqs": "llama3"}[name]
@@ -154,7 +155,7 @@ def test_rope_scaling_config_and_full_forward(models, name):
     plain = llama_np.forward_logits(_unscaled(cfg), llama_np.load_weights(m.gguf), SEQ)
     assert rel_err(plain, ref) > 100 * TOL_F32  # the scaling matters at this tolerance
     err = rel_err(m.logits(SEQ), ref)
-    assert err < TOL_F32, f"{name}: LlamaModel max relative error {err:.2e}"
+    assert err < TOL_F32, f"{name}: FullModel max relative error {err:.2e}"
 
 
 def test_rope_yarn_ramp():

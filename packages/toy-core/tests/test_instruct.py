@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 
 from toy.gguf import GGUFFile
+from toy.models.common import block_causal_mask
 from toy.tokenizer import Tokenizer
 from toy.tokenizer.chat import ChatTemplate
-from toy.train.data import BatchStream, DataError, attention_mask, validation_batches
+from toy.train.data import BatchStream, DataError, validation_batches
 from toy.train.instruct import Example, InstructData, check_file, load_examples
 
 # -- the hand-made tokenizer: ids 0-3 special, "\n" 4, " " 5, "!".."~" 6..99
@@ -316,7 +317,7 @@ def test_packing_rows(packed):
     for a in (b.tokens, b.targets, b.pos, b.doc):
         assert a.dtype == np.int32 and a.shape == (3, 8)
     assert b.loss_mask.dtype == np.float32
-    m = attention_mask(b.doc)  # the second example of row 0 sees only itself
+    m = block_causal_mask(b.doc)  # the second example of row 0 sees only itself
     assert m[0, 0, 3, 2] == -np.inf and m[0, 0, 4, 3] == 0 and m[0, 0, 4, 4] == 0
     with pytest.raises(IndexError):
         d.batch([4])

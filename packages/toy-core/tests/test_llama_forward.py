@@ -16,8 +16,10 @@ from tiny_llama import VARIANTS, write_tiny  # registered by the root conftest.p
 import toy_ggml as tg
 from toy.errors import ToyError
 from toy.gguf import GGUFFile, GGUFWriter, copy_metadata
-from toy.models.llama import LlamaConfig, LlamaModel, causal_mask, padded_length
+from toy.models.common import causal_mask, padded_length
+from toy.models.llama import LlamaConfig
 from toy.reference import llama_np
+from toy.reference.full import FullModel
 
 FIXTURE = Path(__file__).parent / "fixtures" / "smollm2_generation_llamacpp.json"
 
@@ -35,7 +37,7 @@ def test_tiny_models_match_numpy_reference(tmp_path, rt, name, kv_pad):
     kw = VARIANTS[name]
     path = write_tiny(tmp_path / f"{name}.gguf", **kw)
     ids = np.random.default_rng(10).integers(0, 64, size=11)
-    with LlamaModel.load(path, rt, kv_type=None, kv_pad=kv_pad) as model:
+    with FullModel.load(path, rt, kv_type=None, kv_pad=kv_pad) as model:
         cfg = model.cfg
         assert cfg.rope_mode == ("normal" if kw.get("arch", "llama") == "llama" else "neox")
         assert cfg.tied_output == kw.get("tied", False)
@@ -61,7 +63,7 @@ def test_causal_mask():
 
 def test_graph_is_built_once_per_length(tmp_path, rt):
     path = write_tiny(tmp_path / "m.gguf")
-    with LlamaModel.load(path, rt, kv_type=None) as model:
+    with FullModel.load(path, rt, kv_type=None) as model:
         a = model.logits([1, 2, 3, 4])
         b = model.logits([5, 6, 7, 8])
         assert model.n_builds == 1  # the second call of the same length reused the graph
@@ -85,7 +87,7 @@ def test_graph_is_built_once_per_length(tmp_path, rt):
 def test_f16_kv_stays_close(tmp_path, rt):
     path = write_tiny(tmp_path / "m.gguf")
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
-    with LlamaModel.load(path, rt, kv_type=None) as m32, LlamaModel.load(path, rt) as m16:
+    with FullModel.load(path, rt, kv_type=None) as m32, FullModel.load(path, rt) as m16:
         a, b = m32.logits(ids), m16.logits(ids)
         assert 0 < np.abs(a - b).max() < 1e-2 * np.abs(a).max()
 
@@ -145,7 +147,7 @@ def greedy_runs(smollm2_path, rt):
     """Per prompt: (record, toy's last-prompt logits, toy's greedy tokens, seconds)."""
     rec = _fixture()
     out = []
-    with LlamaModel.load(smollm2_path, rt) as model:
+    with FullModel.load(smollm2_path, rt) as model:
         assert model.cfg.n_vocab == rec["n_vocab"]
         for g in rec["generations"]:
             t0 = time.perf_counter()

@@ -53,25 +53,26 @@ def make_parity_adapter(
     entries ``std · N(0, 1)`` from one ``np.random.default_rng(seed)``
     stream, float32; written with ``save_adapter`` (toy.lora.base =
     ``base_name``, fixed so the bytes do not depend on where the model is)."""
+    from toy import models
     from toy.gguf import GGUFFile
-    from toy.train.adapter import TARGETS
 
     with GGUFFile(base_path) as gf:
         shapes = {n: tuple(i.shape) for n, i in gf.tensors.items()}
-        arch = gf.architecture
-        n_layer = int(gf.metadata[f"{arch}.block_count"])
+        cfg = models.config_from_gguf(gf)
+        n_layer = cfg.n_layer
+    stems = {t: x.stem for t, x in models.of(cfg).lora_targets(cfg).items()}
     rng = np.random.default_rng(seed)
     pairs = {}
     for i in range(n_layer):
         for t in targets:
-            name = f"blk.{i}.{TARGETS[t]}.weight"
+            name = f"blk.{i}.{stems[t]}.weight"
             out, inn = shapes[name]
             a = (rng.standard_normal((rank, inn)) * std).astype(np.float32)
             b = (rng.standard_normal((out, rank)) * std).astype(np.float32)
             pairs[name] = (a, b)
     return save_adapter(
         out_path,
-        architecture=arch,
+        architecture=cfg.architecture,
         pairs=pairs,
         alpha=alpha,
         rank=rank,

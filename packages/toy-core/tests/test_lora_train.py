@@ -26,8 +26,8 @@ from toy.gguf import GGUFFile, bind_tensors
 from toy.models.llama import LlamaConfig
 from toy.reference.llama_np import load_weights
 from toy.train.engine import TrainEngine
-from toy.train.llama import LlamaTrain
-from toy.train.lora import LoraLlamaTrain, LoraSettings, init_lora
+from toy.train.lora import LoraSettings, LoraTrain, init_lora
+from toy.train.model import ArchTrain
 from toy.train.optim import OptimConfig
 
 
@@ -58,13 +58,13 @@ def base(tmp_path, rt):
     b.close()
 
 
-def random_lora(model: LoraLlamaTrain, seed: int) -> dict[str, np.ndarray]:
+def random_lora(model: LoraTrain, seed: int) -> dict[str, np.ndarray]:
     """A and B both non-zero (with B = 0 the gradient of A vanishes)."""
     rng = np.random.default_rng(seed)
     return {n: (rng.standard_normal(s) * 0.2).astype(np.float32) for n, s in model.shapes.items()}
 
 
-def reference(base: Base, model: LoraLlamaTrain, lora, batch):
+def reference(base: Base, model: LoraTrain, lora, batch):
     s = model.settings.scale
     eff = dict(base.w)
     pairs = model.adapter_pairs(lora)
@@ -90,7 +90,7 @@ def reference(base: Base, model: LoraLlamaTrain, lora, batch):
     ids=["qkvo", "mlp_rslora"],
 )
 def test_lora_gradients_match_torch(base, rt, settings):
-    model = LoraLlamaTrain(base.cfg, base.bound.tensors, settings)
+    model = LoraTrain(base.cfg, base.bound.tensors, settings)
     lora = random_lora(model, 3)
     batch = packed_batch(np.random.default_rng(2), base.cfg.n_vocab, 2, 12)
     eng = TrainEngine(model, lora, rt, OptimConfig(), batch=2, context=12)
@@ -101,17 +101,17 @@ def test_lora_gradients_match_torch(base, rt, settings):
     ref_loss, ref = reference(base, model, lora, batch)
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     assert_grads_close(grads, ref)
-    assert len(grads) == 2 * len(settings.targets) * base.cfg.n_layer
+    assert len(grads) == 2 * len(model.settings.targets) * base.cfg.n_layer
 
 
 def test_init_is_a_no_op_and_steps_leave_the_base_untouched(base, rt):
     before = hashlib.sha256(base.path.read_bytes()).hexdigest()
     batch = packed_batch(np.random.default_rng(4), base.cfg.n_vocab, 2, 12)
     # the full model's logits for the batch (no LoRA)
-    full = TrainEngine(LlamaTrain(base.cfg), base.w, rt, OptimConfig(), batch=2, context=12)
+    full = TrainEngine(ArchTrain(base.cfg), base.w, rt, OptimConfig(), batch=2, context=12)
     want = full.eval_nll(batch)
     full.close()
-    model = LoraLlamaTrain(base.cfg, base.bound.tensors, LoraSettings())
+    model = LoraTrain(base.cfg, base.bound.tensors, LoraSettings())
     init = init_lora(model.shapes, seed=0)
     assert all(not v.any() for n, v in init.items() if n.endswith(".lora_b"))
     assert all(np.abs(v).max() > 0 for n, v in init.items() if n.endswith(".lora_a"))
@@ -131,7 +131,7 @@ def test_init_is_a_no_op_and_steps_leave_the_base_untouched(base, rt):
 
 
 def test_masked_targets_change_nothing(base, rt):
-    model = LoraLlamaTrain(base.cfg, base.bound.tensors, LoraSettings())
+    model = LoraTrain(base.cfg, base.bound.tensors, LoraSettings())
     lora = random_lora(model, 5)
     batch = packed_batch(np.random.default_rng(6), base.cfg.n_vocab, 2, 12)
     other = packed_batch(np.random.default_rng(6), base.cfg.n_vocab, 2, 12)
@@ -156,7 +156,7 @@ def test_dropout_masks_are_seeded_and_off_in_eval(base, rt):
     batch = packed_batch(np.random.default_rng(8), base.cfg.n_vocab, 2, 12)
 
     def run(seed):
-        model = LoraLlamaTrain(base.cfg, base.bound.tensors, settings, runtime=rt, batch=2, context=12, seed=seed)
+        model = LoraTrain(base.cfg, base.bound.tensors, settings, runtime=rt, batch=2, context=12, seed=seed)
         lora = random_lora(model, 9)
         eng = TrainEngine(model, lora, rt, OptimConfig(), batch=2, context=12)
         try:
@@ -174,7 +174,7 @@ def test_dropout_masks_are_seeded_and_off_in_eval(base, rt):
     assert la != lc  # another seed, other masks
     assert ea == eb == ec  # evaluation runs without dropout
     # without dropout the eval figure is the same model's
-    model = LoraLlamaTrain(base.cfg, base.bound.tensors, LoraSettings())
+    model = LoraTrain(base.cfg, base.bound.tensors, LoraSettings())
     eng = TrainEngine(model, random_lora(model, 9), rt, OptimConfig(), batch=2, context=12)
     try:
         assert eng.eval_nll(batch) == ea

@@ -17,6 +17,7 @@ import random
 import numpy as np
 import pytest
 
+from toy.models.common import block_causal_mask
 from toy.tokenizer import Tokenizer
 from toy.train import data as D
 from toy.train.bpe import train_bpe
@@ -25,7 +26,6 @@ from toy.train.data import (
     DataError,
     PackedData,
     TokenCache,
-    attention_mask,
     iter_chunks,
     iter_documents,
     unigram_entropy,
@@ -347,12 +347,12 @@ def test_split_sizes():
 def test_attention_mask_by_hand():
     n = -np.inf
     doc = np.array([[0, 0, 1, 1], [0, 0, 0, 0]])
-    m = attention_mask(doc)
+    m = block_causal_mask(doc)
     assert m.shape == (2, 1, 4, 4) and m.dtype == np.float32
     np.testing.assert_array_equal(m[0, 0], [[0, n, n, n], [0, 0, n, n], [n, n, 0, n], [n, n, 0, 0]])
     causal = [[0, n, n, n], [0, 0, n, n], [0, 0, 0, n], [0, 0, 0, 0]]
     np.testing.assert_array_equal(m[1, 0], causal)
-    np.testing.assert_array_equal(attention_mask(doc, block_causal=False)[0, 0], causal)
+    np.testing.assert_array_equal(block_causal_mask(doc, block_causal=False)[0, 0], causal)
 
 
 # -- batches -----------------------------------------------------------------------

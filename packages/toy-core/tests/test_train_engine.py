@@ -29,7 +29,7 @@ from toy.gguf import GGUFFile
 from toy.models.llama import LlamaConfig
 from toy.reference.llama_np import load_weights
 from toy.train.engine import TrainEngine
-from toy.train.llama import LlamaTrain, init_params
+from toy.train.model import ArchTrain, init_params
 from toy.train.optim import OptimConfig
 
 GRAD_VARIANTS = ["gqa_untied", "mha_tied", "gqa_4to1", "qwen2_bias_neox", "qwen3_qknorm_neox", "partial_rope_normal"]
@@ -56,7 +56,7 @@ def test_gradients_match_torch_with_packing(tmp_path, rt, variant):
     cfg, w = load_tiny(tmp_path, variant)
     rng = np.random.default_rng(1)
     b = packed_batch(rng, cfg.n_vocab, 2, 12)
-    eng = TrainEngine(LlamaTrain(cfg), w, rt, OptimConfig(), batch=2, context=12)
+    eng = TrainEngine(ArchTrain(cfg), w, rt, OptimConfig(), batch=2, context=12)
     loss, grads = eng.gradients([b])
     n = float(b.loss_mask.sum())
     ref_loss, ref = torch_llama.loss_and_grads(w, cfg, b.tokens, b.pos, b.doc, b.targets, b.loss_mask, n)
@@ -76,7 +76,7 @@ def test_gradients_with_accumulation_equal_one_big_batch(tmp_path, rt):
     b1 = packed_batch(rng, cfg.n_vocab, 2, 10)
     b2 = packed_batch(rng, cfg.n_vocab, 2, 10)
     b2.loss_mask[:, :4] = 0.0  # fewer targets in the second half
-    eng = TrainEngine(LlamaTrain(cfg), w, rt, OptimConfig(), batch=2, context=10, accum=2)
+    eng = TrainEngine(ArchTrain(cfg), w, rt, OptimConfig(), batch=2, context=10, accum=2)
     loss, grads = eng.gradients([b1, b2])
     cat = Batch(
         *(np.concatenate([getattr(b1, f), getattr(b2, f)]) for f in ("tokens", "targets", "loss_mask", "pos", "doc"))
@@ -93,7 +93,7 @@ def test_masked_targets_change_nothing(tmp_path, rt):
     cfg, w = load_tiny(tmp_path, "mha_tied")
     rng = np.random.default_rng(3)
     b = packed_batch(rng, cfg.n_vocab, 2, 12)
-    eng = TrainEngine(LlamaTrain(cfg), w, rt, OptimConfig(), batch=2, context=12)
+    eng = TrainEngine(ArchTrain(cfg), w, rt, OptimConfig(), batch=2, context=12)
     loss1, g1 = eng.gradients([b])
     b.targets = np.where(b.loss_mask > 0, b.targets, (b.targets + 7) % cfg.n_vocab).astype(np.int32)
     loss2, g2 = eng.gradients([b])
@@ -116,7 +116,7 @@ def test_adamw_steps_match_torch(tmp_path, rt, clip):
     cfg, w = load_tiny(tmp_path, "qwen2_bias_neox")
     rng = np.random.default_rng(4)
     opt = OptimConfig(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=clip)
-    eng = TrainEngine(LlamaTrain(cfg), w, rt, opt, batch=2, context=8)
+    eng = TrainEngine(ArchTrain(cfg), w, rt, opt, batch=2, context=8)
     no_decay = {s.name for s in eng.specs if not s.decays(opt)}
     assert "token_embd.weight" in no_decay and "output_norm.weight" in no_decay
     assert any(n.endswith(".bias") for n in no_decay)
@@ -167,7 +167,7 @@ def test_accumulated_step_matches_torch(tmp_path, rt):
     cfg, w = load_tiny(tmp_path, "gqa_untied")
     rng = np.random.default_rng(5)
     opt = OptimConfig(lr=1e-2, weight_decay=0.1, grad_clip=1.0)
-    eng = TrainEngine(LlamaTrain(cfg), w, rt, opt, batch=1, context=8, accum=3)
+    eng = TrainEngine(ArchTrain(cfg), w, rt, opt, batch=1, context=8, accum=3)
     bs = [packed_batch(rng, cfg.n_vocab, 1, 8) for _ in range(3)]
     cat = Batch(
         *(np.concatenate([getattr(b, f) for b in bs]) for f in ("tokens", "targets", "loss_mask", "pos", "doc"))
@@ -190,7 +190,7 @@ def test_accumulated_step_matches_torch(tmp_path, rt):
         max_grad_norm=1.0,
     )
     # compare the first step: rebuild an engine and take one step
-    eng2 = TrainEngine(LlamaTrain(cfg), w, rt, opt, batch=1, context=8, accum=3)
+    eng2 = TrainEngine(ArchTrain(cfg), w, rt, opt, batch=1, context=8, accum=3)
     r1 = eng2.train_step(bs, 1e-2)
     assert r1.loss == pytest.approx(ref_loss, rel=1e-5)
     assert r1.grad_norm == pytest.approx(ref_norm, rel=1e-4)
@@ -207,7 +207,7 @@ def test_eval_nll_matches_torch_and_changes_nothing(tmp_path, rt):
     cfg, w = load_tiny(tmp_path, "qwen3_qknorm_neox")
     rng = np.random.default_rng(6)
     b = packed_batch(rng, cfg.n_vocab, 2, 12)
-    eng = TrainEngine(LlamaTrain(cfg), w, rt, OptimConfig(), batch=2, context=12)
+    eng = TrainEngine(ArchTrain(cfg), w, rt, OptimConfig(), batch=2, context=12)
     s, n = eng.eval_nll(b)
     ref, _ = torch_llama.loss_and_grads(w, cfg, b.tokens, b.pos, b.doc, b.targets, b.loss_mask, 1.0)
     assert n == int(b.loss_mask.sum())
@@ -236,7 +236,7 @@ def test_loss_curve_is_deterministic(rt):
 
     def run():
         rng = np.random.default_rng(7)
-        eng = TrainEngine(LlamaTrain(cfg), init_params(cfg, 3), rt, OptimConfig(lr=3e-3), batch=2, context=16, accum=2)
+        eng = TrainEngine(ArchTrain(cfg), init_params(cfg, 3), rt, OptimConfig(lr=3e-3), batch=2, context=16, accum=2)
         losses = [eng.train_step([packed_batch(rng, 61, 2, 16) for _ in range(2)], 3e-3).loss for _ in range(5)]
         p = eng.param_values()
         eng.close()
@@ -250,7 +250,7 @@ def test_loss_curve_is_deterministic(rt):
 
 def test_bad_batches_are_refused(tmp_path, rt):
     cfg, w = load_tiny(tmp_path, "gqa_untied")
-    eng = TrainEngine(LlamaTrain(cfg), w, rt, OptimConfig(), batch=2, context=8)
+    eng = TrainEngine(ArchTrain(cfg), w, rt, OptimConfig(), batch=2, context=8)
     rng = np.random.default_rng(8)
     b = packed_batch(rng, cfg.n_vocab, 2, 8)
     with pytest.raises(ValueError, match="micro-batches"):
@@ -266,5 +266,5 @@ def test_bad_batches_are_refused(tmp_path, rt):
     with pytest.raises(ValueError, match="no target"):
         eng.train_step([b], 1e-3)
     with pytest.raises(ValueError, match="no starting value"):
-        TrainEngine(LlamaTrain(cfg), {}, rt, OptimConfig(), batch=2, context=8)
+        TrainEngine(ArchTrain(cfg), {}, rt, OptimConfig(), batch=2, context=8)
     eng.close()

@@ -200,7 +200,7 @@ def test_warm_start_copies_embedding_and_matching_blocks(bases, tmp_path):
     assert ws["embedding"] == "copied" and ws["blocks_copied"] == [0, 1] and ws["blocks_skipped_shape"] == []
     # at step 0 the copied tensors are the donor's: check through a 0-step comparison of init values
     from toy.models.llama import LlamaConfig
-    from toy.train.llama import model_config
+    from toy.train.model import model_config
     from toy.train.recipes import warm_start_params
 
     with GGUFFile(bases["f32"]) as gf:

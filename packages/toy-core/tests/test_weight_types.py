@@ -22,8 +22,8 @@ import toy_ggml as tg
 from toy.engine.llm import LLMEngine
 from toy.gguf import GGUFFile
 from toy.gguf.convert import parse_target, quantize_model
-from toy.models.llama import LlamaModel
 from toy.reference import llama_np
+from toy.reference.full import FullModel
 
 # relative L2 error of the logits against the float64 reference on the
 # dequantized weights: F32 is float rounding only; F16/BF16 products round
@@ -74,7 +74,7 @@ def test_weight_type_runs_in_place(tmp_path, rt, tiny_f32, type_name):
         path = tmp_path / f"tiny-{type_name}.gguf"
         quantize_model(tiny_f32, path, parse_target(type_name))
     ids = np.random.default_rng(3).integers(0, 96, size=12)
-    with LlamaModel.load(path, rt) as model, GGUFFile(path) as gf:
+    with FullModel.load(path, rt) as model, GGUFFile(path) as gf:
         want = parse_target(type_name)
         w = model.weights["blk.0.ffn_down.weight"]
         assert w.dtype == want, f"bound as {w.dtype.name}, file has {type_name}"

@@ -206,8 +206,14 @@ def train_main(
 def from_scratch(
     paths: Annotated[list[Path] | None, typer.Argument(help='Text files, folders or JSONL ({"text": ...}).')] = None,
     config: Annotated[Path | None, typer.Option("--config", "-c", help="A TOML config file.")] = None,
+    arch: Annotated[
+        str | None, typer.Option("--arch", help="Architecture family: llama (default) or gpt2.", rich_help_panel=_M)
+    ] = None,
     preset: Annotated[
-        str | None, typer.Option("--preset", help="tiny, small or smollm2-135m.", rich_help_panel=_M)
+        str | None,
+        typer.Option(
+            "--preset", help="tiny, small or smollm2-135m (llama); tiny, small or gpt2-124m (gpt2).", rich_help_panel=_M
+        ),
     ] = None,
     d_model: Annotated[int | None, typer.Option("--d-model", rich_help_panel=_M)] = None,
     n_layer: Annotated[int | None, typer.Option("--layers", rich_help_panel=_M)] = None,
@@ -244,7 +250,7 @@ def from_scratch(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
 ) -> None:
-    """Train a llama-family model from random weights on your text."""
+    """Train a model (llama or gpt2) from random weights on your text."""
     with _errors():
         from toy.train import config as C
 
@@ -253,6 +259,7 @@ def from_scratch(
             cfg,
             **{
                 "data.paths": [str(p) for p in paths] if paths else None,
+                "model.arch": arch,
                 "model.preset": preset,
                 "model.d_model": d_model,
                 "model.n_layer": n_layer,
@@ -373,7 +380,9 @@ def lora_cmd(
     targets: Annotated[
         str | None,
         typer.Option(
-            "--targets", help="Modules to adapt, of q,k,v,o,gate,up,down (default q,k,v,o).", rich_help_panel=_F
+            "--targets",
+            help="Modules to adapt: llama q,k,v,o,gate,up,down (default q,k,v,o); gpt2 qkv,o,up,down (default qkv,o).",
+            rich_help_panel=_F,
         ),
     ] = None,
     rank: Annotated[int | None, typer.Option("--rank", "-r", help="LoRA rank (default 8).", rich_help_panel=_F)] = None,
@@ -454,8 +463,14 @@ def warm_start_cmd(
         str | None, typer.Option("--model", "-m", help="The donor GGUF (a path or a `toy list` name).")
     ] = None,
     config: Config = None,
+    arch: Annotated[
+        str | None, typer.Option("--arch", help="Architecture family: llama (default) or gpt2.", rich_help_panel=_M)
+    ] = None,
     preset: Annotated[
-        str | None, typer.Option("--preset", help="tiny, small or smollm2-135m.", rich_help_panel=_M)
+        str | None,
+        typer.Option(
+            "--preset", help="tiny, small or smollm2-135m (llama); tiny, small or gpt2-124m (gpt2).", rich_help_panel=_M
+        ),
     ] = None,
     d_model: Annotated[int | None, typer.Option("--d-model", rich_help_panel=_M)] = None,
     n_layer: Annotated[int | None, typer.Option("--layers", rich_help_panel=_M)] = None,
@@ -497,7 +512,7 @@ def warm_start_cmd(
         from toy_cli.main import CLIError
 
         raise CLIError(f"--copy-layers {copy_layers!r}: block numbers, comma-separated", code=2) from None
-    values.update({"model.preset": preset, "model.d_model": d_model, "model.n_layer": n_layer, "model.n_head": n_head,
+    values.update({"model.arch": arch, "model.preset": preset, "model.d_model": d_model, "model.n_layer": n_layer, "model.n_head": n_head,
                    "model.n_head_kv": n_head_kv, "model.d_ff": d_ff, "warm_start.layers": layer_ids,
                    "warm_start.project": project})  # fmt: skip
     _finetune("warm-start", config, values, quiet, as_json)

@@ -114,12 +114,16 @@ class Stream:
 
 
 class Model:
-    """A llama-family GGUF model ready to generate (see ``toy.load``)."""
+    """A GGUF model of any registered architecture ready to generate (see
+    ``toy.load``). ``gguf`` (the open file) and ``weights`` (its tensors
+    bound on ``runtime``) are owned and closed with the model."""
 
     def __init__(
         self,
         path: Path,
-        llama,
+        cfg,
+        gguf,
+        weights,
         runtime: toy_ggml.Runtime,
         engine: LLMEngine,
         tokenizer,
@@ -127,8 +131,8 @@ class Model:
         lora_context: toy_ggml.Context | None = None,
         adapters: Sequence[tuple[str | None, float]] = (),
     ):
-        self.path, self._llama, self.runtime, self.engine = path, llama, runtime, engine
-        self.cfg = llama.cfg
+        self.path, self.cfg, self.runtime, self.engine = path, cfg, runtime, engine
+        self._gguf, self._weights = gguf, weights
         self.tokenizer = tokenizer
         self.chat_template = template
         self.n_ctx = engine.n_ctx
@@ -302,7 +306,8 @@ class Model:
         self.engine.close()
         if self._lora_context is not None:
             self._lora_context.close()  # after the engine: its graphs point at these tensors
-        self._llama.close()
+        self._weights.close()
+        self._gguf.close()
         self.runtime.close()
 
     def __enter__(self) -> Model:
@@ -357,8 +362,7 @@ class Chat:
 
 # -- LoRA adapters
 
-# the weights ``toy.models.llama.forward`` can adapt: blk.N.<stem>.weight
-_ADAPTABLE = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight")
+_BLOCK_WEIGHT = re.compile(r"blk\.\d+\.(\w+)\.weight")
 _SCALE_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
@@ -386,16 +390,20 @@ def parse_lora_arg(text: str) -> tuple[str, float]:
 def check_lora(adapter, gf) -> None:
     """Raise ``AdapterError`` unless ``adapter`` fits the open base model
     ``gf``: same architecture, every adapted weight present with the pair's
-    shape (``Adapter.check_base``), and only weights the forward adapts."""
+    shape (``Adapter.check_base``), and only weights the architecture's
+    forward adapts (its ``lora_targets``)."""
+    from toy import models
     from toy.train.adapter import AdapterError
 
     adapter.check_base({name: tuple(info.shape) for name, info in gf.tensors.items()}, gf.architecture)
-    bad = next((n for n in adapter.pairs if not _ADAPTABLE.fullmatch(n)), None)
+    cfg = models.config_from_gguf(gf)
+    stems = [t.stem for t in models.of(cfg).lora_targets(cfg).values()]
+    bad = next((n for n in adapter.pairs if not ((m := _BLOCK_WEIGHT.fullmatch(n)) and m.group(1) in stems)), None)
     if bad is not None:
         where = f"{adapter.path}: " if adapter.path else ""
         raise AdapterError(
             f"{where}adapts {bad}; toy applies LoRA to the attention and feed-forward projections only",
-            hint="adapted weights are blk.N.attn_q/attn_k/attn_v/attn_output/ffn_gate/ffn_up/ffn_down.weight",
+            hint=f"adapted weights are blk.N.{'/'.join(stems)}.weight",
         )
 
 
@@ -477,7 +485,7 @@ def load(
     exact_batching: bool = False,
     lora=None,
 ) -> Model:
-    """Open a llama-family GGUF model for generation.
+    """Open a GGUF model of any registered architecture for generation.
 
     ``model``: a path or a name ``toy list`` shows (default: the bundled
     SmolLM2-135M-Instruct, once ``toy fetch`` has downloaded it).
@@ -492,8 +500,8 @@ def load(
     path or Adapter means scale 1); each adapted weight's product gains
     ``alpha/rank · scale · B (A x)``, as ``llama-cli --lora-scaled`` does.
     ``AdapterError`` when an adapter is not one, or not for this model."""
+    from toy import models
     from toy.gguf import GGUFFile, bind_tensors
-    from toy.models.llama import LlamaConfig, LlamaModel
     from toy.tokenizer import ChatTemplate, Tokenizer
 
     path = _resolve(model, fetch)
@@ -501,10 +509,10 @@ def load(
         raise BadInputError(f"threads={threads} must be >= 1")
     items = lora_items(lora)
     runtime = toy_ggml.Runtime(toy_ggml.resolve_device(device), threads=threads or toy_ggml.default_threads())
-    gf = lora_ctx = None
+    gf = lora_ctx = weights = None
     try:
         gf = GGUFFile(path)
-        cfg = LlamaConfig.from_gguf(gf)
+        cfg = models.config_from_gguf(gf)
         tokenizer = Tokenizer.from_gguf(gf.metadata)
         template = ChatTemplate.from_gguf(gf.metadata)
         limit = cfg.context_length or DEFAULT_MAX_CTX
@@ -512,10 +520,10 @@ def load(
         if not 1 <= ctx <= limit:
             raise BadInputError(f"n_ctx={ctx} must be between 1 and the model's context length {limit}")
         lora_ctx, terms, applied = _load_lora(items, gf, runtime)
-        llama = LlamaModel(cfg, gf, bind_tensors(gf, runtime), runtime)
+        weights = bind_tensors(gf, runtime)
         engine = LLMEngine(
             cfg,
-            llama.weights,
+            weights,
             runtime,
             ctx,
             n_slot,
@@ -528,11 +536,13 @@ def load(
     except BaseException:
         if lora_ctx is not None:
             lora_ctx.close()
+        if weights is not None:
+            weights.close()
         if gf is not None:
             gf.close()
         runtime.close()
         raise
-    return Model(Path(path), llama, runtime, engine, tokenizer, template, lora_ctx, applied)
+    return Model(Path(path), cfg, gf, weights, runtime, engine, tokenizer, template, lora_ctx, applied)
 
 
 __all__ = ["Chat", "Generation", "Model", "Stream", "check_lora", "load", "lora_items", "parse_lora_arg"]

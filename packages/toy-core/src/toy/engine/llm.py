@@ -1,4 +1,4 @@
-"""The llama-family inference engine: batched prefill and multi-sequence
+"""The inference engine: batched prefill and multi-sequence
 decode over a KV cache, with graphs built once per shape.
 
 Two kinds of step, both "uploads + one compute" once their graph exists:
@@ -43,7 +43,6 @@ engine worker).
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,9 +50,10 @@ from dataclasses import dataclass
 import numpy as np
 
 import toy_ggml
+from toy import models
 from toy.engine.kv import KVCache
 from toy.errors import BadInputError
-from toy.models.llama import LlamaConfig, attention, forward, padded_length
+from toy.models.common import attention, padded_length, position_mask
 
 F16, F32, I32, I64 = toy_ggml.GGMLType.F16, toy_ggml.GGMLType.F32, toy_ggml.GGMLType.I32, toy_ggml.GGMLType.I64
 
@@ -86,7 +86,9 @@ class EngineStats:
 
 
 class LLMEngine:
-    """Prefill and decode for a llama-family model over a slotted KV cache.
+    """Prefill and decode for any registered architecture (``toy.models``)
+    over a slotted KV cache; the forward is ``arch.forward`` with this
+    engine's attention, scaled per layer by ``arch.attention_scale``.
 
     ``weights`` maps GGUF tensor names to bound ggml tensors on ``runtime``.
     ``n_ctx``: tokens per slot; ``n_slot``: sequences held at once;
@@ -97,7 +99,7 @@ class LLMEngine:
 
     def __init__(
         self,
-        cfg: LlamaConfig,
+        cfg,
         weights,
         runtime: toy_ggml.Runtime,
         n_ctx: int,
@@ -113,6 +115,7 @@ class LLMEngine:
         if n_batch < 1:
             raise BadInputError(f"n_batch={n_batch} must be >= 1")
         self.cfg, self.weights, self.runtime = cfg, weights, runtime
+        self.arch = models.of(cfg)
         self.flash_attn = bool(flash_attn)
         self.cache = KVCache(cfg, runtime, n_ctx, n_slot, kv_type, v_trans=not self.flash_attn)
         self.n_ctx, self.n_slot, self.n_batch = n_ctx, n_slot, n_batch
@@ -120,7 +123,6 @@ class LLMEngine:
         self.max_graphs = max_graphs
         self.exact_batching = bool(exact_batching)
         self.one_attention = True  # decode consecutive slots with one 4-D attention (see _one_attention)
-        self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.lora = {name: list(terms) for name, terms in (lora or {}).items() if terms} or None
         # each LoRA term adds 4 ops (A x, B (A x), scale, add) to a graph
         self._lora_ops = 4 * sum(len(t) for t in (self.lora or {}).values())
@@ -196,13 +198,14 @@ class LLMEngine:
             vc = ctx.set_rows(vflat, ctx.reshape(v, (n, W)), feeds["k_idx"])
         return kc, vc
 
-    def _attend(self, ctx, q, k, v, mask, row_invariant: bool):
+    def _attend(self, ctx, layer: int, q, k, v, mask, row_invariant: bool):
         """q (H, Tq, D); k, v views from ``_views``; mask (Tq, n_kv)."""
+        scale = self.arch.attention_scale(self.cfg, layer)
         if self.flash_attn:
-            o = ctx.flash_attn_ext(q, k, v, mask, self.scale)  # (1, Tq, H, D)
+            o = ctx.flash_attn_ext(q, k, v, mask, scale)  # (1, Tq, H, D)
             T = q.shape[1]
             return ctx.reshape(o, (T, self.cfg.n_head * self.cfg.head_dim))
-        return attention(ctx, q, k, v, mask, self.scale, row_invariant=row_invariant)
+        return attention(ctx, q, k, v, mask, scale, row_invariant=row_invariant)
 
     # ------------------------------------------------------------------ graphs
 
@@ -247,9 +250,9 @@ class LLMEngine:
         def attend(layer, q, k, v):
             kc, vc = self._write(ops, layer, k, v, feeds, n)
             kv, vv = self._views(ops, layer, kc, vc, slot, n_kv)
-            return self._attend(ops, ops.permute(q, (1, 0, 2)), kv, vv, feeds["mask0"], self.exact_batching)
+            return self._attend(ops, layer, ops.permute(q, (1, 0, 2)), kv, vv, feeds["mask0"], self.exact_batching)
 
-        out = forward(
+        out = self.arch.forward(
             ops,
             self.cfg,
             self.weights,
@@ -280,10 +283,11 @@ class LLMEngine:
                 kc, vc = self._write(ops, layer, k, v, feeds, S)
                 kv, vv = self._slot_views(ops, layer, kc, vc, slots[0], S, n_kv)
                 q4 = ops.reshape(q, (S, H, 1, D))
-                kq = ops.soft_max(ops.mul_mat(kv, q4, row_invariant=True), feeds["mask0"], self.scale)
+                scale = self.arch.attention_scale(self.cfg, layer)
+                kq = ops.soft_max(ops.mul_mat(kv, q4, row_invariant=True), feeds["mask0"], scale)
                 return ops.reshape(ops.mul_mat(vv, kq, row_invariant=True), (S, H * D))  # (S, H, 1, D)
 
-            out = forward(
+            out = self.arch.forward(
                 ops, self.cfg, self.weights, feeds["tokens"], feeds["pos"], attend, row_invariant=True, lora=self.lora
             )
             return self._finish(key, cin, feeds, ops, size, out)
@@ -295,13 +299,13 @@ class LLMEngine:
             for j, (slot, n_kv) in enumerate(zip(slots, n_kvs)):
                 kv, vv = self._views(ops, layer, kc, vc, slot, n_kv)
                 qj = ops.view(q, (H, 1, D), strides=(D * 4, H * D * 4, 4), offset=j * H * D * 4)  # (H, 1, D)
-                outs.append(self._attend(ops, qj, kv, vv, feeds[f"mask{j}"], True))
+                outs.append(self._attend(ops, layer, qj, kv, vv, feeds[f"mask{j}"], True))
             a = outs[0]
             for o in outs[1:]:
                 a = ops.concat(a, o, 0)
             return a
 
-        out = forward(
+        out = self.arch.forward(
             ops, self.cfg, self.weights, feeds["tokens"], feeds["pos"], attend, row_invariant=True, lora=self.lora
         )
         return self._finish(key, cin, feeds, ops, size, out)
@@ -310,7 +314,7 @@ class LLMEngine:
 
     def _mask(self, q_pos: np.ndarray, n_kv: int) -> np.ndarray:
         """(len(q_pos), n_kv): 0 where cell <= the query's position, -inf after."""
-        m = np.where(np.arange(n_kv)[None, :] <= q_pos[:, None], 0.0, -np.inf).astype(np.float32)
+        m = position_mask(q_pos, n_kv)
         return m.astype(np.float16) if self.flash_attn else m
 
     def _v_idx(self, slots: np.ndarray, pos: np.ndarray) -> np.ndarray:

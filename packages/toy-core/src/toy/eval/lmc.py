@@ -9,7 +9,7 @@ in different basins. ``lmc`` evaluates the perplexity-window loss of
 
 Invariants and decisions:
 
-- The files must agree on the architecture (every ``LlamaConfig`` field)
+- The files must agree on the architecture (every field of the architecture's config)
   and on every tensor's name and shape; the first mismatch is named in the
   error. Their vocabularies must be the same tokens.
 - Both checkpoints are read into float32 (quantized tensors dequantized
@@ -85,13 +85,13 @@ def parse_alphas(text: str) -> list[float]:
 
 class _Endpoint:
     def __init__(self, path: Path):
+        from toy import models
         from toy.gguf import GGUFFile
-        from toy.models.llama import LlamaConfig
         from toy.tokenizer import Tokenizer
 
         self.path = path
         with GGUFFile(path) as gf:
-            self.cfg = LlamaConfig.from_gguf(gf)
+            self.cfg = models.config_from_gguf(gf)
             self.tokenizer = Tokenizer.from_gguf(gf.metadata)
             self.shapes = {name: tuple(t.shape) for name, t in gf.tensors.items()}
             self.order = list(gf.tensors)

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 import toy_ggml
 from toy.gguf.constants import ValueType
 from toy.gguf.reader import GGUFFile, TypeInfo
@@ -114,6 +116,22 @@ def ftype_label(ftype: int) -> str | None:
     return name.split("_", 1)[1]
 
 
+def file_type_of(tensors) -> int:
+    """The ``general.file_type`` that describes a file holding ``tensors``
+    ((shape, GGMLType) pairs): the type holding most parameters among the
+    2-D and larger float tensors ("mostly X"), 0 (all F32) when that is F32
+    or there are none. A merge that writes some weights as F32 into a
+    quantized base says what it wrote this way."""
+    count: dict[GGMLType, int] = {}
+    for shape, t in tensors:
+        if len(shape) >= 2 and t not in _INT_TYPES:
+            count[t] = count.get(t, 0) + int(np.prod(shape))
+    if not count:
+        return 0
+    top = max(count, key=lambda t: (count[t], -int(t)))
+    return TARGET_FTYPE.get(top, 0)
+
+
 def parse_target(dtype: str | int | GGMLType) -> GGMLType:
     """The target type, or ValueError naming the supported ones."""
     if isinstance(dtype, str):
@@ -133,9 +151,13 @@ def _block(t: GGMLType) -> int:
     return _core.type_info(int(t))[1]
 
 
-def tensor_target(shape: tuple[int, ...], src: GGMLType, target: GGMLType) -> GGMLType:
-    """The type a tensor of ``shape`` (NumPy order) and type ``src`` gets."""
-    if src in _INT_TYPES:
+# tensors llama.cpp's quantizer leaves in their type: learned positions (GPT-2) and token types (BERT)
+_KEEP = ("position_embd.weight", "token_types.weight")
+
+
+def tensor_target(shape: tuple[int, ...], src: GGMLType, target: GGMLType, name: str | None = None) -> GGMLType:
+    """The type a tensor ``name`` of ``shape`` (NumPy order) and type ``src`` gets."""
+    if src in _INT_TYPES or name in _KEEP:
         return src
     if len(shape) < 2:
         return GGMLType.F32
@@ -220,8 +242,8 @@ def quantize_model(
         total = len(src.tensors)
         with os.fdopen(fd, "wb") as f:
             for i, (name, info) in enumerate(src.tensors.items()):
-                want = tensor_target(info.shape, info.dtype, target)
-                if len(info.shape) >= 2 and want != target and info.dtype not in _INT_TYPES:
+                want = tensor_target(info.shape, info.dtype, target, name)
+                if len(info.shape) >= 2 and want != target and info.dtype not in _INT_TYPES and name not in _KEEP:
                     report.fallbacks[name] = want.name
                 data = _convert_tensor(src, name, want)
                 if info.dtype == want:
@@ -273,6 +295,7 @@ __all__ = [
     "SUPPORTED_TARGETS",
     "TARGET_FTYPE",
     "QuantizeReport",
+    "file_type_of",
     "ftype_label",
     "parse_target",
     "quantize_model",

@@ -224,14 +224,15 @@ class GGUFWriter:
         return self.path
 
 
-def copy_metadata(src, writer: GGUFWriter, skip: set[str] | None = None) -> None:
-    """Copy every metadata key of a GGUFFile (with its on-disk type)."""
+def copy_metadata(src, writer: GGUFWriter, skip: set[str] | None = None, override: dict | None = None) -> None:
+    """Copy every metadata key of a GGUFFile (with its on-disk type and in
+    its order); ``override`` replaces the values of keys it names."""
     for key, value in src.metadata.items():
         if skip and key in skip:
             continue
         if key == "general.alignment" and key in writer._kv:
             continue
-        writer.add(key, value, src.types[key])
+        writer.add(key, override[key] if override and key in override else value, src.types[key])
 
 
 __all__ = ["GGUFWriter", "GGUFError", "copy_metadata"]

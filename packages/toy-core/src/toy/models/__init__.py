@@ -1,6 +1,147 @@
-"""Model architectures: one module per family (a Config dataclass and graph
-building), keyed by GGUF ``general.architecture``; ``toy.models.card``
-summarizes any GGUF model and writes its forward pass as pseudocode.
+"""Model architectures as data: one module per family and a registry keyed
+by GGUF ``general.architecture``.
 
-Nothing is imported here, so ``import toy.models.card`` stays light.
+The rest of toy (the inference engine, ``toy.load``, training, recipes,
+checkpoints, adapters, merge, eval and the server) reaches a model only
+through this registry; no module outside ``toy/models/`` imports an
+architecture module (a test walks the import graph). Adding an architecture
+is one new module plus its tests, and one line in ``_MODULES``.
+
+The protocol
+------------
+An architecture module defines ``ARCH``, an object with:
+
+- ``family`` (str) and ``names`` (tuple of ``general.architecture`` values it
+  runs); ``presets`` (name -> dimensions for ``toy train from-scratch``);
+- ``config_from_gguf(gf)`` / ``config_from_metadata(metadata, tensors)``: the
+  frozen config dataclass of a file (``UnsupportedModelError`` naming what is
+  missing or unsupported). Every config has at least ``architecture``,
+  ``n_vocab``, ``d_model``, ``n_layer``, ``n_head``, ``n_head_kv``,
+  ``head_dim``, ``d_ff``, ``context_length`` and ``tied_output`` — the fields
+  the engine, the KV cache and the recipes read;
+- ``metadata(cfg, name)``: the GGUF metadata llama.cpp expects for a model of
+  this config with F32 weights (key -> value or ``(value, TypeInfo)``);
+- ``train_config(dims, n_vocab, context)``: the config a from-scratch run
+  trains, from ``toy.train.config.resolve_shape``'s dimensions;
+- ``forward(ctx, cfg, weights, tokens, pos, attend, out_rows=None,
+  row_invariant=False, head=True, lora=None)``: the forward graph of T tokens
+  with a pluggable attention. ``attend(layer, q, k, v)`` gets Q (T, H, D), K
+  and V (T, H_kv, D) (positions already applied where the architecture
+  rotates them) and returns (T, H * D): the KV-cache attention of
+  ``toy.engine.llm`` and the batched attention of ``common.forward_batch``
+  are its two callers. ``lora`` maps a weight's GGUF name to
+  ``(a, b, scale, drop)`` terms; ``head=False`` returns the final normed
+  hidden states, which ``output_weight(cfg)`` turns into logits;
+- ``params(cfg)``: the trainable tensors, GGUF name -> ``ParamInfo(shape,
+  kind)`` in llama.cpp's converter order, ``kind`` one of ``KINDS``
+  (initialisation and weight decay read it);
+- ``lora_targets(cfg)``: short target name (``q``, ``qkv``, ``up`` …) ->
+  ``LoraTarget(stem, site, d_in, d_out)``: the adapted weight is
+  ``blk.N.<stem>.weight``; ``site`` names the activation its product reads
+  (targets on one site share a dropout mask); ``lora_names``, the same
+  names without a config; ``lora_default``, the targets a LoRA run adapts
+  when the config names none;
+- ``attention_scale(cfg, layer)``: the factor of Q·K before the softmax;
+- ``output_weight(cfg)``: the name of the head's weight (the embedding when
+  tied).
+
+Shared graph pieces (masks, KV padding, the attention core, batched training
+attention) live once in ``toy.models.common``.
 """
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from toy.errors import BadInputError
+
+#: kinds of trainable tensor: init and weight decay (``toy.train.model``)
+KINDS = ("embedding", "position", "matrix", "residual", "norm", "norm_bias", "bias")
+
+# general.architecture -> module (imported on first use, so this module stays light)
+_MODULES = {
+    "llama": "toy.models.llama",
+    "qwen2": "toy.models.llama",
+    "qwen3": "toy.models.llama",
+    "gpt2": "toy.models.gpt2",
+}
+
+
+class UnsupportedModelError(BadInputError):
+    """The file is not a model toy can run (architecture, missing tensor,
+    unsupported variant); the message says which."""
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    shape: tuple[int, ...]  # NumPy order; a linear weight is (d_out, d_in)
+    kind: str  # one of KINDS
+
+
+@dataclass(frozen=True)
+class LoraTarget:
+    stem: str  # blk.N.<stem>.weight
+    site: str  # the activation the product reads (dropout masks are per site)
+    d_in: int
+    d_out: int
+
+
+def registered() -> tuple[str, ...]:
+    """The ``general.architecture`` values toy runs."""
+    return tuple(_MODULES)
+
+
+def families() -> tuple[str, ...]:
+    """The architecture families (one module each), e.g. for ``--arch``."""
+    return tuple(dict.fromkeys(get(n).family for n in _MODULES))
+
+
+def get(name: str | None) -> Any:
+    """The architecture object (``ARCH``) for a ``general.architecture``
+    value or a family name; ``UnsupportedModelError`` listing the registered
+    ones for anything else."""
+    module = _MODULES.get(name) if isinstance(name, str) else None
+    if module is None:
+        raise UnsupportedModelError(
+            f"architecture {name!r} is not supported",
+            hint=f"supported architectures: {', '.join(_MODULES)}",
+        )
+    return importlib.import_module(module).ARCH
+
+
+def lora_target_names() -> tuple[str, ...]:
+    """Every LoRA target name of any architecture (``lora_names``), in
+    registry order: what a config may name before a model is known."""
+    return tuple(dict.fromkeys(t for n in _MODULES for t in get(n).lora_names))
+
+
+def of(cfg) -> Any:
+    """The architecture of a config."""
+    return get(cfg.architecture)
+
+
+def config_from_metadata(metadata, tensors):
+    """The config of a model from its metadata and tensor infos."""
+    return get(metadata.get("general.architecture")).config_from_metadata(metadata, tensors)
+
+
+def config_from_gguf(gf):
+    """The config of an open ``GGUFFile``."""
+    return config_from_metadata(gf.metadata, gf.tensors)
+
+
+__all__ = [
+    "KINDS",
+    "LoraTarget",
+    "ParamInfo",
+    "UnsupportedModelError",
+    "config_from_gguf",
+    "config_from_metadata",
+    "families",
+    "get",
+    "lora_target_names",
+    "of",
+    "registered",
+]

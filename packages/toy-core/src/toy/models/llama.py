@@ -8,45 +8,25 @@ other than ``d_model / n_head``, and the RoPE pairing (``"normal"``: adjacent
 pairs, which llama GGUF files need because the converter permutes Q/K rows;
 ``"neox"``: halves, for qwen2/qwen3).
 
-``forward_logits`` builds the causal forward of ONE sequence over the whole
-sequence (no KV cache): shapes are NumPy order, activations ``(T, d)``.
-Invariants:
-
-- attention is batched over heads: Q ``(H, T, D)`` against K ``(H_kv, T, D)``
-  in one ``mul_mat`` (ggml's broadcast gives query head ``h`` the key/value
-  head ``h // (H / H_kv)``, exactly GQA grouping), one ``soft_max`` with the
-  causal mask input (F32 ``(T, T)``, 0 / -inf) and scale ``1/sqrt(D)``, one
-  ``mul_mat`` with V; never one GEMM per head;
-- K and V may be rounded to a KV type (F16, as llama.cpp's default cache)
-  and padded with masked zero rows to an attention length ``n_kv >= T`` (the
-  mask's width); neither changes the math beyond that rounding;
-- weights are used as bound (quantized weights stay quantized; on the CPU
-  they are the file mapping itself);
-- ``LlamaModel`` builds the graph for a sequence length once and reuses it:
-  a later call of the same length is uploads + one compute.
+This module is the family's ``ARCH`` in the registry (``toy.models``): the
+protocol's config, metadata, forward, parameters, LoRA targets and attention
+scale (1/sqrt(head_dim)). Shapes are NumPy order, activations ``(T, d)``;
+weights are used as bound (quantized weights stay quantized; on the CPU they
+are the file mapping itself).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-import toy_ggml
-from toy.errors import BadInputError
+from toy.models import LoraTarget, ParamInfo, UnsupportedModelError
 from toy.models.card import summary_from
+from toy.models.common import lora_linear
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-
-
-class UnsupportedModelError(BadInputError):
-    """The file is not a llama-family model toy can run (architecture,
-    missing tensor, unsupported variant); the message says which."""
-
 
 _ROPE_MODE = {"llama": "normal", "qwen2": "neox", "qwen3": "neox"}
 _LAYER_TENSORS = (
@@ -217,22 +197,6 @@ def _rope_scaling(arch: str, metadata: Mapping[str, Any], s, has_freqs: bool) ->
     return out
 
 
-def causal_mask(n_tokens: int, n_kv: int | None = None) -> np.ndarray:
-    """F32 (T, n_kv) (n_kv >= T, default T): 0 where key position <= query
-    position, -inf after (the padding columns past T included)."""
-    n_kv = n_tokens if n_kv is None else n_kv
-    if n_kv < n_tokens:
-        raise ValueError(f"causal_mask: n_kv={n_kv} < n_tokens={n_tokens}")
-    m = np.zeros((n_tokens, n_kv), np.float32)
-    m[np.triu_indices(n_tokens, 1, n_kv)] = -np.inf
-    return m
-
-
-def padded_length(n_tokens: int, pad: int) -> int:
-    """n_tokens rounded up to a multiple of pad (>= 1)."""
-    return -(-n_tokens // pad) * pad
-
-
 def forward(
     ctx,
     cfg: LlamaConfig,
@@ -249,14 +213,14 @@ def forward(
 
     ``tokens``/``pos`` I32 (T,); ``attend(layer, q, k, v)`` gets Q (T, H, D)
     and K, V (T, H_kv, D) (Q and K already roped) and returns the attention
-    output (T, H * D) before the output projection: the full-sequence causal
-    attention below, or the KV-cache attention of ``toy.engine.llm``.
-    ``out_rows`` (I32 (N,), optional) keeps only those rows after the last
-    attention block, so the last FFN and the head run on N rows.
-    ``row_invariant`` makes every weight product sum a row exactly as a
-    one-row product would (``Context.mul_mat``), so a token's result does
-    not depend on the tokens batched with it. Returns logits (N or T, V),
-    or with ``head=False`` the final normed hidden states (N or T, d).
+    output (T, H * D) before the output projection (``toy.models.common``'s
+    full-sequence and batched attention, or the KV-cache attention of
+    ``toy.engine.llm``). ``out_rows`` (I32 (N,), optional) keeps only those
+    rows after the last attention block, so the last FFN and the head run
+    on N rows. ``row_invariant`` makes every weight product sum a row
+    exactly as a one-row product would (``Context.mul_mat``), so a token's
+    result does not depend on the tokens batched with it. Returns logits
+    (N or T, V), or with ``head=False`` the final normed hidden states.
 
     ``lora`` (optional) maps a weight's GGUF name (``blk.{i}.attn_q.weight``
     …; the attention and feed-forward projections) to LoRA terms
@@ -269,16 +233,7 @@ def forward(
     T, H, Hkv, D, eps = tokens.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps
     rope_args = cfg.rope_args()
     freqs = weights["rope_freqs.weight"] if cfg.rope_scaling == "llama3" else None
-
-    def mm(w, x):
-        return ctx.mul_mat(w, x, row_invariant=row_invariant)
-
-    def lin(name: str, x):
-        y = mm(weights[name], x)
-        for a, b, s, drop in lora.get(name, ()) if lora else ():
-            xa = x if drop is None else ctx.mul(x, drop)
-            y = ctx.add(y, ctx.scale(mm(b, mm(a, xa)), s))
-        return y
+    mm, lin = lora_linear(ctx, weights, lora, row_invariant)
 
     def norm(x, gamma):
         return ctx.mul(ctx.rms_norm(x, eps), gamma)
@@ -308,239 +263,155 @@ def forward(
     x = norm(x, weights["output_norm.weight"])
     if not head:
         return x  # (N, d)
-    return mm(weights["token_embd.weight" if cfg.tied_output else "output.weight"], x)  # (N, V)
+    return mm(weights[output_weight(cfg)], x)  # (N, V)
 
 
-def attention(ctx, q, k, v, mask, scale: float, row_invariant: bool = False):
-    """Causal attention batched over heads: q (H, Tq, D), k (H_kv, n_kv, D),
-    v (H_kv, D, n_kv) (V transposed, as the KV cache stores it), mask F32
-    (Tq, n_kv) 0 / -inf -> (Tq, H * D). Query head h reads key/value head
-    h // (H / H_kv) (ggml's broadcast in mul_mat: GQA grouping)."""
-    kq = ctx.soft_max(ctx.mul_mat(k, q, row_invariant=row_invariant), mask, scale)  # (H, Tq, n_kv)
-    a = ctx.mul_mat(v, kq, row_invariant=row_invariant)  # (H, Tq, D)
-    H, T, D = a.shape
-    return ctx.reshape(ctx.cont(ctx.permute(a, (1, 0, 2))), (T, H * D))
+def output_weight(cfg: LlamaConfig) -> str:
+    return "token_embd.weight" if cfg.tied_output else "output.weight"
 
 
-def forward_logits(ctx, cfg: LlamaConfig, weights, tokens, pos, mask, n_tokens: int, kv_type=None):
-    """Logits (T, n_vocab) F32 of one sequence without a KV cache: ``tokens``
-    I32 (T,), ``pos`` I32 (T,) positions, ``mask`` F32 (T, n_kv) causal mask
-    (``causal_mask``). With n_kv > T the keys and values get n_kv - T zero
-    rows, masked out: the attention then has llama.cpp's padded KV length (a
-    multiple of 32 without flash attention), so its F16 matmuls take the same
-    kernels and sums. ``weights`` maps GGUF tensor names to ggml tensors
-    (``bind_tensors``). ``kv_type`` (e.g. F16) rounds K and V to that type
-    before attention, as a llama.cpp KV cache of that type does; None keeps
-    them F32. This is the graph training differentiates (no in-place cache)."""
-    T = n_tokens
-    n_kv = mask.shape[-1]
-    if mask.shape != (T, n_kv) or n_kv < T:
-        raise ValueError(f"forward_logits: mask {mask.shape} must be ({T}, n_kv >= {T})")
-    scale = 1.0 / math.sqrt(cfg.head_dim)
-
-    def attend(_layer, q, k, v):
-        q = ctx.permute(q, (1, 0, 2))  # (H, T, D)
-        k = ctx.permute(k, (1, 0, 2))  # (Hkv, T, D)
-        v = ctx.cont(ctx.permute(v, (1, 2, 0)))  # (Hkv, D, T)
-        if n_kv > T:  # zero keys/values past T (masked): (Hkv, n_kv, D), (Hkv, D, n_kv)
-            k = ctx.pad(ctx.cont(k), ((0, 0), (0, n_kv - T), (0, 0)))
-            v = ctx.pad(v, ((0, 0), (0, 0), (0, n_kv - T)))
-        if kv_type is not None:
-            k, v = ctx.cast(k, kv_type), ctx.cast(v, kv_type)
-        return attention(ctx, q, k, v, mask, scale)
-
-    return forward(ctx, cfg, weights, tokens, pos, attend)
+def attention_scale(cfg: LlamaConfig, layer: int) -> float:
+    return 1.0 / math.sqrt(cfg.head_dim)
 
 
-def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """The trainable tensors of a model of this config: GGUF name -> NumPy
-    shape (a linear weight is (d_out, d_in)), in the order llama.cpp's
-    converter writes them. RoPE frequency factors are not trainable."""
+def params(cfg: LlamaConfig) -> dict[str, ParamInfo]:
+    """The trainable tensors of a model of this config: GGUF name ->
+    ``ParamInfo`` (a linear weight is (d_out, d_in)), in the order llama.cpp's
+    converter writes them. RoPE frequency factors are not trainable. The two
+    projections that write into the residual stream are ``residual``."""
     H, Hkv, D, d = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.d_model
-    out: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.n_vocab, d)}
+    out: dict[str, ParamInfo] = {"token_embd.weight": ParamInfo((cfg.n_vocab, d), "embedding")}
     for i in range(cfg.n_layer):
         p = f"blk.{i}"
-        out[f"{p}.attn_norm.weight"] = (d,)
+        out[f"{p}.attn_norm.weight"] = ParamInfo((d,), "norm")
         for x, n in (("q", H), ("k", Hkv), ("v", Hkv)):
-            out[f"{p}.attn_{x}.weight"] = (n * D, d)
+            out[f"{p}.attn_{x}.weight"] = ParamInfo((n * D, d), "matrix")
             if cfg.qkv_bias:
-                out[f"{p}.attn_{x}.bias"] = (n * D,)
+                out[f"{p}.attn_{x}.bias"] = ParamInfo((n * D,), "bias")
         if cfg.qk_norm:
-            out[f"{p}.attn_q_norm.weight"] = (D,)
-            out[f"{p}.attn_k_norm.weight"] = (D,)
-        out[f"{p}.attn_output.weight"] = (d, H * D)
-        out[f"{p}.ffn_norm.weight"] = (d,)
-        out[f"{p}.ffn_gate.weight"] = (cfg.d_ff, d)
-        out[f"{p}.ffn_up.weight"] = (cfg.d_ff, d)
-        out[f"{p}.ffn_down.weight"] = (d, cfg.d_ff)
-    out["output_norm.weight"] = (d,)
+            out[f"{p}.attn_q_norm.weight"] = ParamInfo((D,), "norm")
+            out[f"{p}.attn_k_norm.weight"] = ParamInfo((D,), "norm")
+        out[f"{p}.attn_output.weight"] = ParamInfo((d, H * D), "residual")
+        out[f"{p}.ffn_norm.weight"] = ParamInfo((d,), "norm")
+        out[f"{p}.ffn_gate.weight"] = ParamInfo((cfg.d_ff, d), "matrix")
+        out[f"{p}.ffn_up.weight"] = ParamInfo((cfg.d_ff, d), "matrix")
+        out[f"{p}.ffn_down.weight"] = ParamInfo((d, cfg.d_ff), "residual")
+    out["output_norm.weight"] = ParamInfo((d,), "norm")
     if not cfg.tied_output:
-        out["output.weight"] = (cfg.n_vocab, d)
+        out["output.weight"] = ParamInfo((cfg.n_vocab, d), "matrix")
     return out
 
 
-def forward_batch(ctx, cfg: LlamaConfig, weights, tokens, pos, mask, batch: int, keep=None, lora=None):
-    """Logits (B*T, V) of B rows of T tokens at once, for training: ``tokens``
-    and ``pos`` I32 (B*T,) (row-major), ``mask`` F32 (B, 1, T, T) additive
-    attention mask (causal, or block-causal for packed documents), broadcast
-    over heads. ``keep`` (F32 (B*T, 1), optional) multiplies the final hidden
-    states before the head: a row multiplied by 0 contributes nothing to any
-    weight's gradient (its zero hidden state makes the head's weight gradient
-    vanish, and the 0 blocks the gradient flowing back), which is how rows
-    without a target are taken out of the loss.
-
-    Attention is batched over rows and heads together: Q (B*H, T, D) against
-    K (B*H_kv, T, D) in one mul_mat, whose broadcast gives query head
-    ``b*H + h`` the key/value head ``(b*H + h) // G = b*H_kv + h // G``
-    (G = H / H_kv): GQA within each row. (A 4-D broadcast would read the same
-    heads, but ggml's MUL_MAT backward only handles the 3-D one.) The scores
-    are viewed as (B, H, T, T) for one soft_max with the mask, then one
-    mul_mat with V (B*H_kv, D, T)."""
-    N = tokens.shape[0]
-    if N % batch:
-        raise ValueError(f"forward_batch: {N} tokens do not split into {batch} rows")
-    T, H, Hkv, D = N // batch, cfg.n_head, cfg.n_head_kv, cfg.head_dim
-    if mask.shape != (batch, 1, T, T):
-        raise ValueError(f"forward_batch: mask {mask.shape} must be ({batch}, 1, {T}, {T})")
-    scale = 1.0 / math.sqrt(D)
-
-    def heads(x, n, axes, shape):  # (N, n, D) -> rows-and-heads-major, contiguous
-        return ctx.reshape(ctx.cont(ctx.permute(ctx.reshape(x, (batch, T, n, D)), axes)), shape)
-
-    def attend(_layer, q, k, v):
-        q = heads(q, H, (0, 2, 1, 3), (batch * H, T, D))
-        k = heads(k, Hkv, (0, 2, 1, 3), (batch * Hkv, T, D))
-        v = heads(v, Hkv, (0, 2, 3, 1), (batch * Hkv, D, T))
-        kq = ctx.reshape(ctx.mul_mat(k, q), (batch, H, T, T))
-        kq = ctx.reshape(ctx.soft_max(kq, mask, scale), (batch * H, T, T))
-        a = ctx.reshape(ctx.mul_mat(v, kq), (batch, H, T, D))
-        return ctx.reshape(ctx.cont(ctx.permute(a, (0, 2, 1, 3))), (N, H * D))
-
-    h = forward(ctx, cfg, weights, tokens, pos, attend, head=False, lora=lora)  # (N, d)
-    if keep is not None:
-        h = ctx.mul(h, keep)
-    return ctx.mul_mat(weights["token_embd.weight" if cfg.tied_output else "output.weight"], h)
+def lora_targets(cfg: LlamaConfig) -> dict[str, LoraTarget]:
+    """q, k, v, o on attention; gate, up, down on the feed-forward."""
+    H, Hkv, D, d, f = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.d_model, cfg.d_ff
+    return {
+        "q": LoraTarget("attn_q", "attn_in", d, H * D),
+        "k": LoraTarget("attn_k", "attn_in", d, Hkv * D),
+        "v": LoraTarget("attn_v", "attn_in", d, Hkv * D),
+        "o": LoraTarget("attn_output", "attn_out", H * D, d),
+        "gate": LoraTarget("ffn_gate", "ffn_in", d, f),
+        "up": LoraTarget("ffn_up", "ffn_in", d, f),
+        "down": LoraTarget("ffn_down", "ffn_mid", f, d),
+    }
 
 
-@dataclass
-class _Step:
-    """The graph for one sequence length: inputs in their own allocated
-    context, ops in another (memory from the runtime's scheduler)."""
+def metadata(cfg: LlamaConfig, name: str) -> dict[str, Any]:
+    """The llama.cpp metadata of a llama model of this config (F32 weights):
+    key -> value, or (value, TypeInfo) where llama.cpp insists on a type
+    (it refuses a file whose counts are INT32 instead of UINT32). A
+    checkpoint is always written as ``llama`` (qwen2/qwen3 variants are not
+    trained from scratch)."""
+    from toy.gguf.constants import ValueType
+    from toy.gguf.reader import TypeInfo
 
-    inputs: toy_ggml.Context
-    ops: toy_ggml.Context
-    graph: toy_ggml.Graph
-    tokens: toy_ggml.Tensor
-    out: toy_ggml.Tensor
+    a = "llama"
+    out = {
+        "general.architecture": a,
+        "general.name": name,
+        f"{a}.vocab_size": cfg.n_vocab,
+        f"{a}.context_length": int(cfg.context_length or 2048),
+        f"{a}.embedding_length": cfg.d_model,
+        f"{a}.block_count": cfg.n_layer,
+        f"{a}.feed_forward_length": cfg.d_ff,
+        f"{a}.attention.head_count": cfg.n_head,
+        f"{a}.attention.head_count_kv": cfg.n_head_kv,
+        f"{a}.attention.key_length": cfg.head_dim,
+        f"{a}.attention.value_length": cfg.head_dim,
+        f"{a}.rope.dimension_count": cfg.rope_dims,
+        f"{a}.rope.freq_base": float(cfg.rope_base),
+        f"{a}.attention.layer_norm_rms_epsilon": float(cfg.rms_eps),
+    }
+    u32 = TypeInfo(ValueType.UINT32)
+    return {k: (v, u32) if isinstance(v, int) else v for k, v in out.items()}
 
 
-class LlamaModel:
-    """A llama-family GGUF model bound zero-copy on a Runtime; ``logits(ids)``
-    runs the full causal forward with a graph built once per sequence length.
+#: ``toy train from-scratch`` size presets (the vocabulary comes from the tokenizer)
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(d_model=128, n_layer=4, n_head=4, n_head_kv=2, d_ff=352, rope_base=10000.0),
+    "small": dict(d_model=384, n_layer=6, n_head=6, n_head_kv=2, d_ff=1024, rope_base=10000.0),
+    "smollm2-135m": dict(d_model=576, n_layer=30, n_head=9, n_head_kv=3, d_ff=1536, rope_base=100000.0),
+}
 
-    ``kv_type``: the type K and V are rounded to before attention; F16 (the
-    default) is what llama.cpp's default KV cache does, None keeps them F32.
-    ``kv_pad``: the attention length is T rounded up to a multiple of it
-    (zero, masked keys/values); 32 (the default) is llama.cpp's KV padding
-    without flash attention. With both defaults our logits agree with
-    llama.cpp's to float32 rounding; kv_pad=1 is the plain forward.
 
-    Graphs are cached per sequence length (the ``max_graphs`` most recent
-    lengths): a repeated length is token uploads plus one compute. Switching
-    between cached graphs is safe: the Runtime re-allocates a graph whose
-    scheduler memory went to another one.
-    """
+def train_config(d: Mapping[str, Any], n_vocab: int, context: int) -> LlamaConfig:
+    """The config a from-scratch run trains (``d``: ``resolve_shape``'s
+    dimensions): RoPE over the whole head in llama's "normal" pairing (what
+    llama.cpp runs for ``general.architecture = llama``), the context length
+    = the training context."""
+    if d["head_dim"] % 2:
+        from toy.train.config import ConfigError
 
-    def __init__(
-        self, cfg: LlamaConfig, gf, weights, runtime: toy_ggml.Runtime, kv_type=toy_ggml.GGMLType.F16, kv_pad: int = 32
-    ):
-        if kv_pad < 1:
-            raise ValueError(f"kv_pad={kv_pad} must be >= 1")
-        self.cfg, self.gguf, self.weights, self.runtime = cfg, gf, weights, runtime
-        self.kv_type, self.kv_pad = kv_type, kv_pad
-        self._steps: dict[int, _Step] = {}  # insertion order = least recently built first
-        self.max_graphs = 8
-        self.n_builds = 0
+        raise ConfigError(f"model.head_dim={d['head_dim']} must be even (RoPE rotates pairs)")
+    return LlamaConfig(
+        n_vocab=n_vocab,
+        d_model=d["d_model"],
+        n_layer=d["n_layer"],
+        n_head=d["n_head"],
+        n_head_kv=d["n_head_kv"],
+        head_dim=d["head_dim"],
+        d_ff=d["d_ff"],
+        rms_eps=d["norm_eps"],
+        rope_base=d["rope_base"],
+        rope_dims=d["head_dim"],
+        rope_mode="normal",
+        tied_output=d["tied_output"],
+        context_length=context,
+    )
 
-    @classmethod
-    def load(
-        cls, path: str | Path, runtime: toy_ggml.Runtime, kv_type=toy_ggml.GGMLType.F16, kv_pad: int = 32
-    ) -> LlamaModel:
-        from toy.gguf import GGUFFile, bind_tensors
 
-        gf = GGUFFile(path)
-        try:
-            cfg = LlamaConfig.from_gguf(gf)
-            weights = bind_tensors(gf, runtime)
-        except BaseException:
-            gf.close()
-            raise
-        return cls(cfg, gf, weights, runtime, kv_type=kv_type, kv_pad=kv_pad)
+class _Llama:
+    """The registry's view of this module (see ``toy.models``)."""
 
-    def _build(self, n: int) -> _Step:
-        cin = toy_ggml.Context(max_tensors=8)
-        tokens = cin.tensor(toy_ggml.GGMLType.I32, (n,), name="tokens")
-        pos = cin.tensor(toy_ggml.GGMLType.I32, (n,), name="pos")
-        n_kv = padded_length(n, self.kv_pad)
-        mask = cin.tensor(toy_ggml.GGMLType.F32, (n, n_kv), name="mask")
-        cin.allocate(self.runtime)
-        pos.set(np.arange(n, dtype=np.int32))
-        mask.set(causal_mask(n, n_kv))
-        size = 64 * self.cfg.n_layer + 256
-        ops = toy_ggml.Context(max_tensors=size)
-        out = forward_logits(ops, self.cfg, self.weights, tokens, pos, mask, n, kv_type=self.kv_type)
-        out.set_output()
-        graph = toy_ggml.Graph(ops, size=max(2048, size)).build_forward(out)
-        self.n_builds += 1
-        return _Step(cin, ops, graph, tokens, out)
+    family = "llama"
+    names = SUPPORTED_ARCHITECTURES
+    presets = PRESETS
+    lora_names = ("q", "k", "v", "o", "gate", "up", "down")
+    lora_default = ("q", "k", "v", "o")
 
-    def _drop_steps(self) -> None:
-        for s in self._steps.values():
-            s.ops.close()
-            s.inputs.close()
-        self._steps.clear()
+    config_from_metadata = staticmethod(LlamaConfig.from_metadata)
+    config_from_gguf = staticmethod(LlamaConfig.from_gguf)
+    forward = staticmethod(forward)
+    params = staticmethod(params)
+    lora_targets = staticmethod(lora_targets)
+    attention_scale = staticmethod(attention_scale)
+    output_weight = staticmethod(output_weight)
+    metadata = staticmethod(metadata)
+    train_config = staticmethod(train_config)
 
-    def logits(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Logits (T, n_vocab) float32 for token ids (T,)."""
-        ids = np.asarray(ids, dtype=np.int32).reshape(-1)
-        n = len(ids)
-        if n == 0:
-            raise ValueError("logits: no tokens")
-        if self.cfg.context_length and n > self.cfg.context_length:
-            raise ValueError(f"logits: {n} tokens exceed the context length {self.cfg.context_length}")
-        step = self._steps.get(n)
-        if step is None:
-            if len(self._steps) >= self.max_graphs:
-                oldest = self._steps.pop(next(iter(self._steps)))
-                oldest.ops.close()
-                oldest.inputs.close()
-            step = self._steps[n] = self._build(n)
-        step.tokens.set(ids)
-        self.runtime.compute(step.graph)
-        return step.out.numpy()
 
-    def close(self) -> None:
-        self._drop_steps()
-        self.weights.close()
-        self.gguf.close()
-
-    def __enter__(self) -> LlamaModel:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
+ARCH = _Llama()
 
 __all__ = [
+    "ARCH",
+    "PRESETS",
     "SUPPORTED_ARCHITECTURES",
-    "UnsupportedModelError",
     "LlamaConfig",
-    "LlamaModel",
-    "attention",
-    "causal_mask",
+    "attention_scale",
     "forward",
-    "forward_batch",
-    "forward_logits",
-    "param_shapes",
-    "padded_length",
+    "lora_targets",
+    "metadata",
+    "output_weight",
+    "params",
+    "train_config",
 ]

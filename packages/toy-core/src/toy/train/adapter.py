@@ -36,17 +36,6 @@ import numpy as np
 
 from toy.errors import BadInputError
 
-#: target module -> the GGUF weight-name stem inside a block
-TARGETS = {
-    "q": "attn_q",
-    "k": "attn_k",
-    "v": "attn_v",
-    "o": "attn_output",
-    "gate": "ffn_gate",
-    "up": "ffn_up",
-    "down": "ffn_down",
-}
-
 
 class AdapterError(BadInputError):
     """An adapter file is not a usable LoRA adapter (or not for this base)."""
@@ -168,4 +157,4 @@ def load_adapter(path: str | os.PathLike) -> Adapter:
     return Adapter(arch, alpha, pairs, meta, path)
 
 
-__all__ = ["TARGETS", "Adapter", "AdapterError", "load_adapter", "lora_alpha_for_file", "save_adapter"]
+__all__ = ["Adapter", "AdapterError", "load_adapter", "lora_alpha_for_file", "save_adapter"]

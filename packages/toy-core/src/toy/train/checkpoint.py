@@ -3,8 +3,9 @@
 A checkpoint at optimizer step N is two files in ``<run>/checkpoints/``:
 
 - ``step_N.gguf``: the model. Standard llama.cpp metadata
-  (``general.architecture = llama``, ``llama.*`` dimensions, ``general.file_type``
-  0 = all F32) and tensor names, the tokenizer embedded (``tokenizer.*``), F32
+  (``general.type = model``, ``general.architecture`` and the architecture's
+  dimension keys from the registry, ``general.file_type`` 0 = all F32,
+  ``general.quantization_version``) and tensor names, the tokenizer embedded (``tokenizer.*``), F32
   weights, and a few ``toy.train.*`` keys (run id, step) that other readers
   ignore. ``toy infer`` and llama.cpp load it unchanged.
 - ``step_N.state.gguf``: what resuming needs beyond the weights: AdamW's
@@ -34,8 +35,8 @@ import numpy as np
 from toy.errors import BadInputError
 from toy.gguf import GGUFFile, GGUFWriter
 from toy.gguf.constants import ValueType
+from toy.gguf.convert import QUANT_VERSION
 from toy.gguf.reader import TypeInfo
-from toy.models.llama import LlamaConfig
 
 _STEP_RE = re.compile(r"^step_(\d+)\.gguf$")
 
@@ -44,30 +45,20 @@ class CheckpointError(BadInputError):
     """A run folder or checkpoint cannot be resumed from; the message says why."""
 
 
-def llama_metadata(cfg: LlamaConfig, name: str) -> dict[str, Any]:
-    """The llama.cpp metadata of a llama model of this config (F32 weights):
-    key -> value, or (value, TypeInfo) where llama.cpp insists on a type
-    (it refuses a file whose counts are INT32 instead of UINT32)."""
-    a = "llama"
-    out = {
-        "general.architecture": a,
-        "general.name": name,
-        "general.file_type": 0,
-        f"{a}.vocab_size": cfg.n_vocab,
-        f"{a}.context_length": int(cfg.context_length or 2048),
-        f"{a}.embedding_length": cfg.d_model,
-        f"{a}.block_count": cfg.n_layer,
-        f"{a}.feed_forward_length": cfg.d_ff,
-        f"{a}.attention.head_count": cfg.n_head,
-        f"{a}.attention.head_count_kv": cfg.n_head_kv,
-        f"{a}.attention.key_length": cfg.head_dim,
-        f"{a}.attention.value_length": cfg.head_dim,
-        f"{a}.rope.dimension_count": cfg.rope_dims,
-        f"{a}.rope.freq_base": float(cfg.rope_base),
-        f"{a}.attention.layer_norm_rms_epsilon": float(cfg.rms_eps),
-    }
+def model_metadata(cfg, name: str) -> dict[str, Any]:
+    """The GGUF metadata of a checkpoint of this config with F32 weights, as
+    llama.cpp's converter writes it: ``general.type = "model"``, the
+    architecture's keys (``arch.metadata``), ``general.file_type`` 0 (all
+    F32) and ``general.quantization_version``."""
+    from toy import models
+
     u32 = TypeInfo(ValueType.UINT32)
-    return {k: (v, u32) if isinstance(v, int) else v for k, v in out.items()}
+    return {
+        "general.type": "model",
+        **models.of(cfg).metadata(cfg, name),
+        "general.file_type": (0, u32),
+        "general.quantization_version": (QUANT_VERSION, u32),
+    }
 
 
 @dataclass
@@ -107,7 +98,7 @@ def save(
     folder: str | Path,
     *,
     step: int,
-    cfg: LlamaConfig,
+    cfg,
     params: dict[str, np.ndarray],
     optimizer: dict[str, np.ndarray],
     tokenizer_metadata: dict[str, Any],
@@ -128,7 +119,7 @@ def save(
     w = None
     if write_model is None:
         w = GGUFWriter(model_path)
-        for k, v in {**llama_metadata(cfg, run_id), **tokenizer_metadata}.items():
+        for k, v in {**model_metadata(cfg, run_id), **tokenizer_metadata}.items():
             if isinstance(v, tuple):
                 w.add(k, v[0], v[1])
             else:
@@ -216,7 +207,7 @@ __all__ = [
     "Resumable",
     "latest_step",
     "list_steps",
-    "llama_metadata",
+    "model_metadata",
     "load",
     "save",
     "tokenizer_metadata_of",

@@ -7,7 +7,9 @@ fields of the nested dataclasses. Unknown keys and wrong types are errors
 (``override``); the resolved config (``to_dict``) is what a run records in
 ``config.json`` and in its checkpoints, and what ``--resume`` reads back.
 
-Size presets (``PRESETS``; the vocabulary comes from the tokenizer):
+Size presets belong to the architecture (``model.arch``: ``llama``, the
+default, or ``gpt2``; each module's ``PRESETS``); the vocabulary comes from
+the tokenizer. The llama presets:
 
 - ``tiny``: d 128, 4 layers, 4 heads (2 KV), FFN 352: about 0.9M parameters
   with a 1024-token vocabulary; for tests and the tutorial (seconds);
@@ -43,6 +45,7 @@ class ConfigError(BadInputError):
 
 @dataclass
 class ModelShape:
+    arch: str = "llama"  # an architecture family of toy.models (llama, gpt2)
     preset: str | None = "tiny"
     d_model: int | None = None
     n_layer: int | None = None
@@ -53,13 +56,6 @@ class ModelShape:
     rope_base: float | None = None
     norm_eps: float = 1e-5
     tied_output: bool = True
-
-
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(d_model=128, n_layer=4, n_head=4, n_head_kv=2, d_ff=352, rope_base=10000.0),
-    "small": dict(d_model=384, n_layer=6, n_head=6, n_head_kv=2, d_ff=1024, rope_base=10000.0),
-    "smollm2-135m": dict(d_model=576, n_layer=30, n_head=9, n_head_kv=3, d_ff=1536, rope_base=100000.0),
-}
 
 
 @dataclass
@@ -79,25 +75,29 @@ RECIPES = ("from-scratch", "lora", "full", "warm-start")
 
 @dataclass
 class LoraConfig:
-    targets: list[str] = field(default_factory=lambda: ["q", "k", "v", "o"])
+    targets: list[str] | None = None  # None: the architecture's default (llama: q,k,v,o; gpt2: qkv,o)
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
     rslora: bool = False  # scale alpha / sqrt(rank) instead of alpha / rank
 
     def validate(self) -> LoraConfig:
+        """Checks what needs no model: targets must be modules of some
+        architecture (``resolved`` checks them against the model's)."""
         import math
 
-        from toy.train.adapter import TARGETS
+        if self.targets is not None:
+            from toy import models
 
-        bad = [t for t in self.targets if t not in TARGETS]
-        if bad or not self.targets:
-            raise ConfigError(
-                f"lora.targets {self.targets!r}: each must be one of {', '.join(TARGETS)}"
-                + (f" ({bad[0]!r} is not)" if bad else " (none given)")
-            )
-        if len(set(self.targets)) != len(self.targets):
-            raise ConfigError(f"lora.targets {self.targets!r} repeats a module")
+            known = models.lora_target_names()
+            bad = [t for t in self.targets if t not in known]
+            if bad or not self.targets:
+                raise ConfigError(
+                    f"lora.targets {self.targets!r}: each must be one of {', '.join(known)}"
+                    + (f" ({bad[0]!r} is not)" if bad else " (none given; leave it out for the architecture's default)")
+                )
+            if len(set(self.targets)) != len(self.targets):
+                raise ConfigError(f"lora.targets {self.targets!r} repeats a module")
         if self.rank < 1:
             raise ConfigError(f"lora.rank={self.rank} must be >= 1")
         if not math.isfinite(self.alpha) or self.alpha <= 0:
@@ -111,6 +111,22 @@ class LoraConfig:
         import math
 
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    def resolved(self, model_cfg) -> LoraConfig:
+        """A copy with the targets named (the architecture's default when
+        None), each checked against the architecture's ``lora_targets``."""
+        from toy import models
+
+        arch = models.of(model_cfg)
+        targets = list(self.targets) if self.targets is not None else list(arch.lora_default)
+        known = arch.lora_targets(model_cfg)
+        bad = [t for t in targets if t not in known]
+        if bad:
+            raise ConfigError(
+                f"lora.targets: {bad[0]!r} is not a module of {model_cfg.architecture} models",
+                hint=f"{model_cfg.architecture} modules: {', '.join(known)}",
+            )
+        return dataclasses.replace(self, targets=targets).validate()
 
 
 @dataclass
@@ -276,11 +292,19 @@ def override(cfg: TrainConfig, **values: Any) -> TrainConfig:
 
 def resolve_shape(shape: ModelShape) -> dict[str, Any]:
     """The model dimensions: the preset's values overridden by explicit ones."""
+    from toy import models
+
+    if shape.arch not in models.families():
+        raise ConfigError(f"model.arch {shape.arch!r} is not one of {', '.join(models.families())}")
+    presets = models.get(shape.arch).presets
     base: dict[str, Any] = {}
     if shape.preset is not None:
-        if shape.preset not in PRESETS:
-            raise ConfigError(f"model.preset {shape.preset!r} is not one of {', '.join(PRESETS)}")
-        base.update(PRESETS[shape.preset])
+        if shape.preset not in presets:
+            raise ConfigError(
+                f"model.preset {shape.preset!r} is not one of {', '.join(presets)}"
+                + (f" (the {shape.arch} presets)" if shape.arch != "llama" else "")
+            )
+        base.update(presets[shape.preset])
     for k in ("d_model", "n_layer", "n_head", "n_head_kv", "d_ff", "head_dim", "rope_base"):
         v = getattr(shape, k)
         if v is not None:
@@ -299,8 +323,6 @@ def resolve_shape(shape: ModelShape) -> dict[str, Any]:
             raise ConfigError(f"model.{k}={base[k]} must be >= 1")
     if base["n_head"] % base["n_head_kv"]:
         raise ConfigError(f"model.n_head={base['n_head']} is not a multiple of n_head_kv={base['n_head_kv']}")
-    if base["head_dim"] % 2:
-        raise ConfigError(f"model.head_dim={base['head_dim']} must be even (RoPE rotates pairs)")
     base["norm_eps"] = shape.norm_eps
     base["tied_output"] = shape.tied_output
     return base
@@ -348,12 +370,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         cfg.optim.validate()
     except BadInputError as e:
         raise ConfigError(f"optim.{e}") from None
-    resolve_shape(cfg.model)
+    from toy import models
+
+    dims = resolve_shape(cfg.model)
+    models.get(cfg.model.arch).train_config(dims, 2, max(2, cfg.context))  # the architecture's own checks
     return cfg
 
 
 __all__ = [
-    "PRESETS",
     "RECIPES",
     "ConfigError",
     "DataConfig",

@@ -472,17 +472,6 @@ class Batch:
         return int(self.loss_mask.sum())
 
 
-def attention_mask(doc: np.ndarray, block_causal: bool = True) -> np.ndarray:
-    """float32 (B, 1, T, T): 0 where query t may attend key s (s <= t, and the
-    same segment when ``block_causal``), -inf elsewhere."""
-    doc = np.asarray(doc)
-    t = doc.shape[1]
-    allowed = np.tril(np.ones((t, t), dtype=bool))[None]  # (1, T, T) [query, key]
-    if block_causal:
-        allowed = allowed & (doc[:, :, None] == doc[:, None, :])
-    return np.where(allowed, np.float32(0), np.float32(-np.inf)).astype(np.float32)[:, None]
-
-
 class PackedData:
     """Windows of ``context + 1`` tokens with stride ``context``; training
     windows first, the last ``n_val`` windows for validation."""

@@ -43,6 +43,7 @@ from typing import Protocol
 import numpy as np
 
 import toy_ggml
+from toy.models.common import block_causal_mask, causal_mask
 from toy.train.optim import OptimConfig, adamw_hparams
 
 F32 = toy_ggml.GGMLType.F32
@@ -53,12 +54,15 @@ I32 = toy_ggml.GGMLType.I32
 class ParamSpec:
     name: str
     shape: tuple[int, ...]
-    kind: str  # "matrix", "embedding", "norm" or "bias"
+    kind: str  # one of toy.models.KINDS: "matrix", "residual", "embedding", "position", "norm", …
 
     def decays(self, optim: OptimConfig) -> bool:
-        """Whether AdamW's weight decay applies (matrices; embeddings only
-        with ``decay_embeddings``; never norm gains or biases)."""
-        return self.kind == "matrix" or (self.kind == "embedding" and optim.decay_embeddings)
+        """Whether AdamW's weight decay applies (matrices; token and position
+        embeddings only with ``decay_embeddings``; never norm gains, norm
+        shifts or biases)."""
+        return self.kind in ("matrix", "residual") or (
+            self.kind in ("embedding", "position") and optim.decay_embeddings
+        )
 
 
 class TrainModel(Protocol):
@@ -262,12 +266,10 @@ class TrainEngine:
         cols = np.where(keep > 0, targets, 0)
         lab[rows, cols] = keep > 0
         self._label_cols = cols
-        from toy.train.data import attention_mask
-
         inp = self.inputs
         inp.tokens.set(tokens.reshape(-1))
         inp.pos.set(np.asarray(batch.pos, np.int32).reshape(-1))
-        inp.mask.set(attention_mask(np.asarray(batch.doc), block_causal=True))
+        inp.mask.set(block_causal_mask(np.asarray(batch.doc), block_causal=True))
         inp.keep.set((keep > 0).astype(np.float32).reshape(-1, 1))
         self._labels.set(lab)
         self._loss_scale.set(np.array([scale], np.float32))
@@ -364,8 +366,7 @@ class TrainEngine:
             )
             cin.allocate(self.runtime)
             inp.pos.set(np.arange(T, dtype=np.int32))
-            causal = np.triu(np.full((T, T), -np.inf, np.float32), 1)
-            inp.mask.set(causal.reshape(1, 1, T, T))
+            inp.mask.set(causal_mask(T).reshape(1, 1, T, T))
             inp.keep.set(np.ones((T, 1), np.float32))
             cap = self._graph_capacity()
             ops = toy_ggml.Context(max_tensors=cap * 2)

@@ -52,7 +52,7 @@ from toy.errors import BadInputError, ToyError
 from toy.train import checkpoint
 from toy.train.config import TrainConfig, from_dict, to_dict
 from toy.train.engine import TrainEngine
-from toy.train.llama import LlamaTrain, init_params, model_config
+from toy.train.model import ArchTrain, init_params, model_config
 from toy.train.optim import lr_at
 
 
@@ -251,7 +251,7 @@ class _Run:
             "val_windows": self.data.n_val,
             "unigram_nats": D.unigram_entropy(self.cache.tokens, self.tokenizer.vocab_size),
         }
-        return LlamaTrain(self.model_cfg), params, info, tok_source, extra
+        return ArchTrain(self.model_cfg), params, info, tok_source, extra
 
     # -------------------------------------------------------------- pieces
 

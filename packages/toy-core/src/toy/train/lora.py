@@ -3,7 +3,7 @@ low-rank updates on chosen projections.
 
 For every adapted weight W (NumPy (out, in)) of every block the model adds
 A (r, in) and B (out, r): the product becomes ``W x + s · B (A (x ⊙ m))``
-(``toy.models.llama.forward``'s ``lora`` terms), with ``s = alpha / r``, or
+(the architecture forward's ``lora`` terms), with ``s = alpha / r``, or
 ``alpha / sqrt(r)`` with rank-stabilized scaling (rsLoRA), and ``m`` the
 dropout mask (training steps only).
 
@@ -20,10 +20,13 @@ Invariants and decisions:
 - Parameter names are the adapter file's tensor names (``<W>.lora_a``,
   ``<W>.lora_b``), so a checkpoint is an adapter llama.cpp loads; they decay
   with AdamW's weight decay like any matrix.
+- Which weights can be adapted, and their widths, is the architecture's
+  (``arch.lora_targets``: q/k/v/o/gate/up/down on the llama family,
+  qkv/o/up/down on GPT-2).
 - Dropout (``dropout > 0``) multiplies the input of A by a Bernoulli mask
   scaled by 1/(1-p), drawn per step from ``(seed, step, micro-batch)``;
-  one mask per input tensor and layer, so the adapted products that read the
-  same activation (q, k and v; gate and up) share it (PEFT draws one per
+  one mask per input site and layer (the target's ``site``), so the adapted
+  products that read the same activation (q, k and v; gate and up) share it (PEFT draws one per
   module; the expectation is the same). Evaluation and samples run without
   dropout.
 """
@@ -36,36 +39,31 @@ from collections.abc import Mapping
 import numpy as np
 
 import toy_ggml
+from toy import models
 from toy.errors import BadInputError
-from toy.models.llama import LlamaConfig, forward_batch
-from toy.train.adapter import TARGETS
+from toy.models.common import forward_batch
 from toy.train.config import LoraConfig as LoraSettings  # the [lora] table of a run's config
 from toy.train.engine import BatchInputs, ParamSpec
 
 F32 = toy_ggml.GGMLType.F32
-# which activation each target's product reads (dropout masks are per input)
-_INPUT = {
-    "q": "attn_in",
-    "k": "attn_in",
-    "v": "attn_in",
-    "o": "attn_out",
-    "gate": "ffn_in",
-    "up": "ffn_in",
-    "down": "ffn_mid",
-}
 
 
-def adapted_weights(cfg: LlamaConfig, targets: list[str]) -> list[str]:
-    """GGUF names of the adapted weights, block by block, in target order."""
-    return [f"blk.{i}.{TARGETS[t]}.weight" for i in range(cfg.n_layer) for t in targets]
+def targets_of(cfg) -> dict:
+    """The architecture's LoRA targets: name -> ``LoraTarget``."""
+    return models.of(cfg).lora_targets(cfg)
 
 
-def lora_shapes(
-    base_shapes: Mapping[str, tuple[int, ...]], cfg: LlamaConfig, s: LoraSettings
-) -> dict[str, tuple[int, int]]:
+def adapted_weights(cfg, targets: list[str]) -> list[str]:
+    """GGUF names of the adapted weights, block by block, in target order
+    (targets already checked: ``LoraSettings.resolved``)."""
+    known = targets_of(cfg)
+    return [f"blk.{i}.{known[t].stem}.weight" for i in range(cfg.n_layer) for t in targets]
+
+
+def lora_shapes(base_shapes: Mapping[str, tuple[int, ...]], cfg, s: LoraSettings) -> dict[str, tuple[int, int]]:
     """Parameter name -> shape: ``<W>.lora_a`` (r, in), ``<W>.lora_b`` (out, r)."""
     out = {}
-    for w in adapted_weights(cfg, s.targets):
+    for w in adapted_weights(cfg, s.resolved(cfg).targets):
         if w not in base_shapes:
             raise BadInputError(f"the base model has no {w} to adapt")
         o, i = base_shapes[w]
@@ -87,14 +85,14 @@ def init_lora(shapes: Mapping[str, tuple[int, int]], seed: int) -> dict[str, np.
     return out
 
 
-class LoraLlamaTrain:
+class LoraTrain:
     """``TrainModel``: frozen ``base`` weights (name -> bound ggml tensor) +
     the LoRA parameters of ``settings``. ``batch`` x ``context`` is the
     micro-batch shape (dropout masks are allocated for it on ``runtime``)."""
 
     def __init__(
         self,
-        cfg: LlamaConfig,
+        cfg,
         base: Mapping[str, toy_ggml.Tensor],
         settings: LoraSettings,
         *,
@@ -103,9 +101,9 @@ class LoraLlamaTrain:
         context: int = 1,
         seed: int = 0,
     ):
-        self.cfg, self.base, self.settings = cfg, base, settings.validate()
+        self.cfg, self.base, self.settings = cfg, base, settings.resolved(cfg)
         self.n_vocab = cfg.n_vocab
-        self.shapes = lora_shapes({n: tuple(t.shape) for n, t in base.items()}, cfg, settings)
+        self.shapes = lora_shapes({n: tuple(t.shape) for n, t in base.items()}, cfg, self.settings)
         self.seed = int(seed)
         self._masks: dict[tuple[int, str], toy_ggml.Tensor] = {}
         self._mask_ctx = None
@@ -113,16 +111,11 @@ class LoraLlamaTrain:
             if runtime is None:
                 raise ValueError("dropout needs the runtime to hold its masks")
             n = batch * context
-            width = {
-                "attn_in": cfg.d_model,
-                "attn_out": cfg.n_head * cfg.head_dim,
-                "ffn_in": cfg.d_model,
-                "ffn_mid": cfg.d_ff,
-            }
-            sites = sorted({_INPUT[t] for t in settings.targets})
-            self._mask_ctx = toy_ggml.Context(max_tensors=len(sites) * cfg.n_layer + 4)
+            known = targets_of(cfg)
+            width = {known[t].site: known[t].d_in for t in self.settings.targets}
+            self._mask_ctx = toy_ggml.Context(max_tensors=len(width) * cfg.n_layer + 4)
             for i in range(cfg.n_layer):
-                for site in sites:
+                for site in sorted(width):
                     self._masks[(i, site)] = self._mask_ctx.tensor(F32, (n, width[site]), name=f"drop.{i}.{site}")
             self._mask_ctx.allocate(runtime)
 
@@ -131,11 +124,12 @@ class LoraLlamaTrain:
 
     def logits(self, ctx, params: Mapping[str, toy_ggml.Tensor], inputs: BatchInputs, training: bool = True):
         s = self.settings
+        known = targets_of(self.cfg)
         lora: dict[str, list] = {}
         for i in range(self.cfg.n_layer):
             for t in s.targets:
-                w = f"blk.{i}.{TARGETS[t]}.weight"
-                drop = self._masks.get((i, _INPUT[t])) if training else None
+                w = f"blk.{i}.{known[t].stem}.weight"
+                drop = self._masks.get((i, known[t].site)) if training else None
                 lora[w] = [(params[f"{w}.lora_a"], params[f"{w}.lora_b"], s.scale, drop)]
         return forward_batch(
             ctx, self.cfg, self.base, inputs.tokens, inputs.pos, inputs.mask, inputs.batch, keep=inputs.keep, lora=lora
@@ -164,4 +158,4 @@ class LoraLlamaTrain:
             self._mask_ctx = None
 
 
-__all__ = ["LoraLlamaTrain", "LoraSettings", "adapted_weights", "init_lora", "lora_shapes"]
+__all__ = ["LoraSettings", "LoraTrain", "adapted_weights", "init_lora", "lora_shapes", "targets_of"]

@@ -10,9 +10,13 @@ that needs no adapter at inference:
   (``Adapter.scale``) times the user's, exactly what ``toy.load(base,
   lora=...)`` and ``llama-cli --lora-scaled`` apply at inference;
 - every other tensor is copied byte for byte (quantized ones stay
-  quantized, in the same order), and all metadata is copied unchanged with
-  its on-disk types, so ``general.type`` stays absent (or "model") and
-  llama.cpp loads the result as an ordinary model;
+  quantized, in the same order), and all metadata is copied with its
+  on-disk types, so ``general.type`` stays absent (or "model") and
+  llama.cpp loads the result as an ordinary model — except
+  ``general.file_type``, which says what was written
+  (``toy.gguf.convert.file_type_of``: the type holding most of the weights'
+  parameters, so merged F32 weights in a Q4_1 base leave it "mostly Q4_1"
+  while an F32-majority merge says F32);
 - with ``dtype`` (e.g. "Q8_0") that merge goes to a temporary file beside
   ``out`` and is re-quantized with ``toy.gguf.quantize_model`` (all 2-D
   weights to the type, fallbacks as llama.cpp's); the temporary is removed.
@@ -144,11 +148,16 @@ def merged_weights(gf, adapters: Sequence[tuple[Any, float]]) -> dict[str, np.nd
 
 
 def _write_merge(gf, merged: dict[str, np.ndarray], path: Path, report: MergeReport, progress) -> None:
-    from toy.gguf import GGUFWriter, copy_metadata
+    from toy.gguf import GGUFWriter, TypeInfo, ValueType, copy_metadata
+    from toy.gguf.convert import file_type_of
     from toy_ggml import GGMLType
 
     writer = GGUFWriter(path, alignment=gf.alignment)
-    copy_metadata(gf, writer)
+    written = [(info.shape, GGMLType.F32 if name in merged else info.dtype) for name, info in gf.tensors.items()]
+    ftype = file_type_of(written)
+    copy_metadata(gf, writer, override={"general.file_type": ftype})
+    if "general.file_type" not in gf.metadata:
+        writer.add("general.file_type", ftype, TypeInfo(ValueType.UINT32))
     total = len(gf.tensors)
     for i, (name, info) in enumerate(gf.tensors.items()):
         if name in merged:
@@ -193,12 +202,12 @@ def measure_drift(
 ) -> MergeDrift:
     """The merged file against the base with the adapters (see the module docstring)."""
     import toy
+    from toy import models
     from toy.eval.score import compare, window_logits
     from toy.gguf import GGUFFile
-    from toy.models.llama import LlamaConfig
 
     with GGUFFile(merged) as gf:
-        limit = LlamaConfig.from_gguf(gf).context_length
+        limit = models.config_from_gguf(gf).context_length
     n_ctx = min(MAX_SAMPLE, limit or MAX_SAMPLE)
     kw = dict(kv_type="f32", n_ctx=n_ctx, threads=threads, device=device, fetch=False)
     a = toy.load(base, lora=list(adapters), **kw)

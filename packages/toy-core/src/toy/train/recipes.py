@@ -3,7 +3,8 @@ values and how a checkpoint's model file is written.
 
 - ``from-scratch``: a tokenizer trained on the corpus (or taken from a
   model), text packed into windows (``toy.train.data``), random weights
-  (``toy.train.llama``), checkpoints with llama.cpp metadata.
+  (``toy.train.model``), checkpoints with llama.cpp metadata; any registered architecture
+  (``model.arch``).
 - ``lora``: the base GGUF (``base``) bound zero-copy and frozen — quantized
   weights stay quantized (QLoRA) — plus LoRA parameters
   (``toy.train.lora``); instruction data (``toy.train.instruct``); each
@@ -52,7 +53,7 @@ class Setup:
     tok_source: str
     data: Any  # PackedData or InstructData (the same interface)
     data_info: dict[str, Any]
-    model_cfg: Any  # LlamaConfig
+    model_cfg: Any  # the architecture's config (toy.models)
     train_model: Any  # TrainModel
     params: dict[str, np.ndarray]  # starting values
     start: dict[str, Any]  # recipe-specific run_start fields
@@ -156,13 +157,13 @@ class _Base:
 
 
 def _prepare(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> _Base:
+    from toy import models
     from toy.gguf import bind_tensors
-    from toy.models.llama import LlamaConfig
 
     path, sha, gf = _open_base(cfg, ckpt_state)
     closers: list[Callable[[], None]] = [gf.close]
     try:
-        model_cfg = LlamaConfig.from_gguf(gf)
+        model_cfg = models.config_from_gguf(gf)
         _check_context(cfg, model_cfg)
         tokenizer, template, meta = _base_tokenizer(gf)
         data, info = _instruct_data(cfg, tokenizer, template)
@@ -180,13 +181,13 @@ def _prepare(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> _Base:
 
 def setup_lora(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> Setup:
     from toy.train.adapter import save_adapter
-    from toy.train.lora import LoraLlamaTrain, adapted_weights, init_lora
+    from toy.train.lora import LoraTrain, adapted_weights, init_lora
 
     b = _prepare(cfg, runtime, ckpt_state)
     path, sha, gf, model_cfg, closers = b.path, b.sha, b.gf, b.model_cfg, b.closers
     tokenizer, meta, data, info = b.tokenizer, b.meta, b.data, b.info
     try:
-        model = LoraLlamaTrain(
+        model = LoraTrain(
             model_cfg,
             b.bound.tensors,
             cfg.lora,
@@ -199,9 +200,9 @@ def setup_lora(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> Setup:
     except BaseException:
         b.close()
         raise
-    types = sorted({gf.tensors[w].dtype.name for w in adapted_weights(model_cfg, cfg.lora.targets)})
+    lc = model.settings  # the targets resolved for this architecture
+    types = sorted({gf.tensors[w].dtype.name for w in adapted_weights(model_cfg, lc.targets)})
     arch = model_cfg.architecture
-    lc = cfg.lora
 
     def write(p: Path, values: dict[str, np.ndarray], step: int, run_id: str) -> None:
         save_adapter(
@@ -231,22 +232,23 @@ def setup_lora(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> Setup:
 # -- full -------------------------------------------------------------------------
 
 
-_FROZEN = {"embeddings": "token_embd.weight", "output": "output.weight"}
-
-
 def setup_full(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> Setup:
+    from toy import models
     from toy.gguf import GGUFWriter, TypeInfo, ValueType, copy_metadata
-    from toy.models.llama import param_shapes
-    from toy.train.llama import LlamaTrain
+    from toy.train.model import ArchTrain
 
     b = _prepare(cfg, runtime, ckpt_state)
     path, sha, gf, model_cfg, closers = b.path, b.sha, b.gf, b.model_cfg, b.closers
     tokenizer, meta, data, info = b.tokenizer, b.meta, b.data, b.info
     try:
-        shapes = param_shapes(model_cfg)
-        frozen_names = {_FROZEN[f] for f in cfg.freeze}
-        if "output" in cfg.freeze and model_cfg.tied_output:
-            frozen_names.add("token_embd.weight")  # the head is the embedding
+        arch = models.of(model_cfg)
+        infos = arch.params(model_cfg)
+        shapes = {n: p.shape for n, p in infos.items()}
+        frozen_names: set[str] = set()
+        if "embeddings" in cfg.freeze:  # token (and learned position) embeddings
+            frozen_names |= {n for n, p in infos.items() if p.kind in ("embedding", "position")}
+        if "output" in cfg.freeze:  # the head's weight (the embedding itself when tied)
+            frozen_names.add(arch.output_weight(model_cfg))
         frozen_names &= set(shapes)
         frozen = {n: b.bound.tensors[n] for n in sorted(frozen_names)}
         trainable = [n for n in shapes if n not in frozen]
@@ -281,7 +283,7 @@ def setup_full(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> Setup:
         "model": _dims(model_cfg),
     }
     return Setup(
-        tokenizer, meta, f"model:{path}", data, info, model_cfg, LlamaTrain(model_cfg, frozen=frozen), params, start,
+        tokenizer, meta, f"model:{path}", data, info, model_cfg, ArchTrain(model_cfg, frozen=frozen), params, start,
         write, {"base_sha256": sha}, notes, closers,
     )  # fmt: skip
 
@@ -310,27 +312,45 @@ def project_embedding(donor: np.ndarray, width: int, how: str, std: float, rng) 
 def warm_start_params(cfg: TrainConfig, model_cfg, gf, seed: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Starting values: random (as from scratch), then the donor's embedding
     (projected) and the donor's blocks where every tensor's shape matches."""
-    from toy.models.llama import LlamaConfig, param_shapes
-    from toy.train.llama import init_params
+    from toy import models
+    from toy.train.model import init_params
 
-    donor_cfg = LlamaConfig.from_gguf(gf)
+    donor_cfg = models.config_from_gguf(gf)
+    arch = models.of(model_cfg)
+    if models.of(donor_cfg) is not arch:
+        raise BadInputError(
+            f"the donor is a {donor_cfg.architecture} model, the new model {model_cfg.architecture}",
+            hint=f"train the new model with --arch {models.of(donor_cfg).family}",
+        )
     if donor_cfg.n_vocab != model_cfg.n_vocab:
         raise BadInputError(f"the donor's vocabulary has {donor_cfg.n_vocab} tokens, the new model {model_cfg.n_vocab}")
     params = init_params(model_cfg, seed)
-    emb = gf.tensor_to_float("token_embd.weight")
-    std = float(params["token_embd.weight"].std()) or 0.02
+    infos = arch.params(model_cfg)
     rng = np.random.default_rng([seed, 1])
-    if emb.shape == params["token_embd.weight"].shape:
-        params["token_embd.weight"] = np.array(emb, np.float32)
-        how = "copied"
-    else:
-        params["token_embd.weight"] = project_embedding(emb, model_cfg.d_model, cfg.warm_start.project, std, rng)
-        how = f"projected {emb.shape[1]} -> {model_cfg.d_model} ({cfg.warm_start.project})"
+    how = ""
+    for name in (n for n, p in infos.items() if p.kind == "embedding"):
+        emb = gf.tensor_to_float(name)
+        std = float(params[name].std()) or 0.02
+        if emb.shape == params[name].shape:
+            params[name] = np.array(emb, np.float32)
+            how = "copied"
+        else:
+            params[name] = project_embedding(emb, model_cfg.d_model, cfg.warm_start.project, std, rng)
+            how = f"projected {emb.shape[1]} -> {model_cfg.d_model} ({cfg.warm_start.project})"
+    positions = {}
+    for name in (n for n, p in infos.items() if p.kind == "position"):  # learned positions: the first rows
+        donor = gf.tensor_to_float(name) if name in gf.tensors else None
+        rows, width = params[name].shape
+        if donor is not None and donor.shape[1] == width and donor.shape[0] >= rows:
+            params[name] = np.array(donor[:rows], np.float32)
+            positions[name] = "copied"
+        else:
+            positions[name] = "random (the donor's do not fit)"
     layers = cfg.warm_start.layers
     if layers is None:
         layers = list(range(min(model_cfg.n_layer, donor_cfg.n_layer)))
     copied, skipped = [], []
-    new_shapes = param_shapes(model_cfg)
+    new_shapes = {n: p.shape for n, p in infos.items()}
     for i in layers:
         if not 0 <= i < min(model_cfg.n_layer, donor_cfg.n_layer):
             raise BadInputError(f"warm_start.layers: block {i} does not exist in both models")
@@ -341,7 +361,10 @@ def warm_start_params(cfg: TrainConfig, model_cfg, gf, seed: int) -> tuple[dict[
             copied.append(i)
         else:
             skipped.append(i)
-    return params, {"embedding": how, "blocks_copied": copied, "blocks_skipped_shape": skipped}
+    info = {"embedding": how, "blocks_copied": copied, "blocks_skipped_shape": skipped}
+    if positions:
+        info["positions"] = positions
+    return params, info
 
 
 def _dims(model_cfg) -> dict[str, Any]:
