@@ -9,7 +9,7 @@ is one new module plus its tests, and one line in ``_MODULES``.
 
 The protocol
 ------------
-An architecture module defines ``ARCH``, an object with:
+An architecture module defines ``ARCH``, an ``Architecture`` with:
 
 - ``family`` (str) and ``names`` (tuple of ``general.architecture`` values it
   runs); ``presets`` (name -> dimensions for ``toy train from-scratch``);
@@ -52,6 +52,7 @@ attention) live once in ``toy.models.common``.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +87,29 @@ class LoraTarget:
     site: str  # the activation the product reads (dropout masks are per site)
     d_in: int
     d_out: int
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What an architecture module gives the rest of toy (its ``ARCH``);
+    the members are described in this module's docstring."""
+
+    family: str
+    names: tuple[str, ...]
+    presets: Mapping[str, Mapping[str, Any]]
+    lora_names: tuple[str, ...]
+    lora_default: tuple[str, ...]
+    config_from_metadata: Callable[..., Any]
+    forward: Callable[..., Any]
+    params: Callable[[Any], dict[str, ParamInfo]]
+    lora_targets: Callable[[Any], dict[str, LoraTarget]]
+    attention_scale: Callable[[Any, int], float]
+    output_weight: Callable[[Any], str]
+    metadata: Callable[[Any, str], dict[str, Any]]
+    train_config: Callable[..., Any]
+
+    def config_from_gguf(self, gf) -> Any:
+        return self.config_from_metadata(gf.metadata, gf.tensors)
 
 
 def registered() -> tuple[str, ...]:
@@ -134,6 +158,7 @@ def config_from_gguf(gf):
 
 __all__ = [
     "KINDS",
+    "Architecture",
     "LoraTarget",
     "ParamInfo",
     "UnsupportedModelError",

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from toy.models import LoraTarget, ParamInfo, UnsupportedModelError
+from toy.models import Architecture, LoraTarget, ParamInfo, UnsupportedModelError
 from toy.models.common import lora_linear
 
 _LAYER_TENSORS = (
@@ -54,6 +54,12 @@ class GPT2Config:
     tied_output: bool = True
     context_length: int | None = None
     architecture: str = "gpt2"
+    # "table": ggml's GELU, which on the CPU reads a float16 table of the
+    # function, as llama.cpp's graph does (toy's logits then equal
+    # llama.cpp's); "exact": the tanh formula composed from ggml ops in
+    # float32, as Hugging Face computes it (inference only: ggml has no TANH
+    # backward). Files always load as "table"; set it with dataclasses.replace.
+    gelu: str = "table"
 
     @property
     def n_head_kv(self) -> int:
@@ -146,12 +152,23 @@ def forward(
         x = ctx.add(x, affine(f"{p}.attn_output", a))
         if out_rows is not None and i == cfg.n_layer - 1:
             x = ctx.get_rows(x, out_rows)  # (N, d): the rows whose logits are wanted
-        h = ctx.gelu(affine(f"{p}.ffn_up", norm(x, f"{p}.ffn_norm")))
+        h = _gelu(ctx, affine(f"{p}.ffn_up", norm(x, f"{p}.ffn_norm")), cfg.gelu)
         x = ctx.add(x, affine(f"{p}.ffn_down", h))
     x = norm(x, "output_norm")
     if not head:
         return x  # (N, d)
     return mm(weights[output_weight(cfg)], x)  # (N, V)
+
+
+def _gelu(ctx, x, how: str):
+    """GELU, tanh form: ggml's (float16 table on the CPU) or, with
+    ``how="exact"``, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) in float32."""
+    if how == "table":
+        return ctx.gelu(x)
+    if how != "exact":
+        raise ValueError(f"gelu={how!r}: 'table' or 'exact'")
+    u = ctx.scale(ctx.add(x, ctx.scale(ctx.mul(ctx.mul(x, x), x), 0.044715)), math.sqrt(2.0 / math.pi))
+    return ctx.mul(ctx.scale(x, 0.5), ctx.scale(ctx.tanh(u), 1.0, 1.0))  # 0.5 x · (1 + tanh u)
 
 
 def _third(ctx, qkv, j: int, T: int, H: int, D: int):
@@ -169,8 +186,10 @@ def attention_scale(cfg: GPT2Config, layer: int) -> float:
 
 
 def params(cfg: GPT2Config) -> dict[str, ParamInfo]:
-    """The trainable tensors in llama.cpp's converter order: GGUF name ->
-    ``ParamInfo`` (a linear weight is (d_out, d_in))."""
+    """The trainable tensors, GGUF name -> ``ParamInfo`` (a linear weight is
+    (d_out, d_in)), in block order (llama.cpp's converter writes them in
+    Hugging Face's sorted key order instead; nothing depends on the order but
+    the seeded initialisation)."""
     d, f, V = cfg.d_model, cfg.d_ff, cfg.n_vocab
     out: dict[str, ParamInfo] = {
         "token_embd.weight": ParamInfo((V, d), "embedding"),
@@ -258,26 +277,20 @@ def train_config(dims: Mapping[str, Any], n_vocab: int, context: int) -> GPT2Con
     )
 
 
-class _GPT2:
-    """The registry's view of this module (see ``toy.models``)."""
-
-    family = "gpt2"
-    names = ("gpt2",)
-    presets = PRESETS
-    lora_names = ("qkv", "o", "up", "down")
-    lora_default = ("qkv", "o")
-
-    config_from_metadata = staticmethod(GPT2Config.from_metadata)
-    config_from_gguf = staticmethod(GPT2Config.from_gguf)
-    forward = staticmethod(forward)
-    params = staticmethod(params)
-    lora_targets = staticmethod(lora_targets)
-    attention_scale = staticmethod(attention_scale)
-    output_weight = staticmethod(output_weight)
-    metadata = staticmethod(metadata)
-    train_config = staticmethod(train_config)
-
-
-ARCH = _GPT2()
+ARCH = Architecture(
+    family="gpt2",
+    names=("gpt2",),
+    presets=PRESETS,
+    lora_names=("qkv", "o", "up", "down"),
+    lora_default=("qkv", "o"),
+    config_from_metadata=GPT2Config.from_metadata,
+    forward=forward,
+    params=params,
+    lora_targets=lora_targets,
+    attention_scale=attention_scale,
+    output_weight=output_weight,
+    metadata=metadata,
+    train_config=train_config,
+)
 
 __all__ = ["ARCH", "PRESETS", "GPT2Config", "forward", "lora_targets", "metadata", "params", "train_config"]

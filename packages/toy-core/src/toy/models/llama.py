@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from toy.models import LoraTarget, ParamInfo, UnsupportedModelError
+from toy.models import Architecture, LoraTarget, ParamInfo, UnsupportedModelError
 from toy.models.card import summary_from
 from toy.models.common import lora_linear
 
@@ -380,27 +380,21 @@ def train_config(d: Mapping[str, Any], n_vocab: int, context: int) -> LlamaConfi
     )
 
 
-class _Llama:
-    """The registry's view of this module (see ``toy.models``)."""
-
-    family = "llama"
-    names = SUPPORTED_ARCHITECTURES
-    presets = PRESETS
-    lora_names = ("q", "k", "v", "o", "gate", "up", "down")
-    lora_default = ("q", "k", "v", "o")
-
-    config_from_metadata = staticmethod(LlamaConfig.from_metadata)
-    config_from_gguf = staticmethod(LlamaConfig.from_gguf)
-    forward = staticmethod(forward)
-    params = staticmethod(params)
-    lora_targets = staticmethod(lora_targets)
-    attention_scale = staticmethod(attention_scale)
-    output_weight = staticmethod(output_weight)
-    metadata = staticmethod(metadata)
-    train_config = staticmethod(train_config)
-
-
-ARCH = _Llama()
+ARCH = Architecture(
+    family="llama",
+    names=SUPPORTED_ARCHITECTURES,
+    presets=PRESETS,
+    lora_names=("q", "k", "v", "o", "gate", "up", "down"),
+    lora_default=("q", "k", "v", "o"),
+    config_from_metadata=LlamaConfig.from_metadata,
+    forward=forward,
+    params=params,
+    lora_targets=lora_targets,
+    attention_scale=attention_scale,
+    output_weight=output_weight,
+    metadata=metadata,
+    train_config=train_config,
+)
 
 __all__ = [
     "ARCH",
