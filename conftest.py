@@ -62,6 +62,9 @@ _HELPERS = {
     "torch_llama": "packages/toy-core/tests/torch_llama.py",
     "train_helpers": "packages/toy-core/tests/train_helpers.py",
     "cli_helpers": "packages/toy-cli/tests/cli_helpers.py",
+    "gpt2_ref": "packages/toy-core/tests/gpt2_ref.py",
+    "gpt2_np": "packages/toy-core/tests/gpt2_np.py",
+    "torch_gpt2": "packages/toy-core/tests/torch_gpt2.py",
 }
 
 
