@@ -43,6 +43,21 @@ tokenization is never timed. The figures, per model file:
 
 Ratios are toy / llama.cpp: above 1 is toy faster for tokens/s, slower for
 seconds and bigger for bytes (each record says which way is better).
+
+GPT-2 (``test_inference_gpt2``): the same machinery and figures on
+GPT-2-small's shape (124M parameters, 12 layers, d 768, vocabulary 50257,
+tied head) with seeded random weights, as F32 and Q8_0 files made by
+llama.cpp's own converter (``convert_hf_to_gguf.py`` from a Hugging Face
+``GPT2LMHeadModel``: ``tests/gpt2_ref.py``'s ``gguf_path("small124m", 0,
+...)``, cached under ``$TOY_TEST_GPT2_CACHE`` or ``~/.cache/toy-test-gpt2``;
+the first run builds them, minutes). The prompts are the same text
+tokenized by toy's tokenizer from the GPT-2 file, cut to 128 and 512 tokens
+(16 for the decode prompt); decode is ``GPT2_NEW_TOKENS`` (64) greedy tokens
+(63 forward steps). Figure names end in ``gpt2-124m <dtype>``, and the
+tokens/s records carry the issue's target toy / llama.cpp >= 1.0 and
+``met``. With random weights the greedy tokens are arbitrary but
+deterministic: ``same_greedy_tokens`` still tells whether both sides
+compute the same model.
 """
 
 from __future__ import annotations
@@ -75,6 +90,12 @@ RSS_SLACK = 100_000_000  # the target: peak RSS <= file + KV cache + 100 MB
 # ggml default poll); on a 2-core machine the next side would share the cores with it
 SETTLE_S = 0.5
 SIDE_TIMEOUT_S = 1800  # a side still running after this is killed (the test then fails)
+# GPT-2-small (124M) as converted by llama.cpp from a seeded random HF model (tests/gpt2_ref.py)
+GPT2_SHAPE = "small124m"
+GPT2_DTYPES = {"F32": "f32", "Q8_0": "q8_0"}  # figure label -> the converter's --outtype
+GPT2_NEW_TOKENS = 64
+GPT2_TAG = "gpt2-124m"
+GPT2_TARGET = 1.0  # the issue's target: toy / llama.cpp >= 1.0 in tokens/s
 
 
 # ---------------------------------------------------------------- setup
@@ -99,9 +120,15 @@ def bench_models(smollm2_path, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def prompt_ids(smollm2_path, tmp_path_factory) -> Path:
     """A JSON file with the prompts as toy's token ids, exactly 16, 128 and 512 long."""
+    return write_prompt_ids(smollm2_path, tmp_path_factory.mktemp("bench_infer_prompts"))
+
+
+def write_prompt_ids(model: Path, folder: Path) -> Path:
+    """TEXT (repeated as needed) tokenized by toy's tokenizer of ``model``, cut
+    to the prompt lengths, written as ``folder/ids.json``."""
     from toy.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_file(smollm2_path)
+    tok = Tokenizer.from_file(model)
     need = max(PROMPT_LENGTHS)
     text = TEXT
     ids = tok.encode(text)
@@ -109,15 +136,41 @@ def prompt_ids(smollm2_path, tmp_path_factory) -> Path:
         text += TEXT
         ids = tok.encode(text)
     spec = {"prompts": {str(n): ids[:n] for n in PROMPT_LENGTHS}, "short": ids[:SHORT_PROMPT]}
-    path = tmp_path_factory.mktemp("bench_infer_prompts") / "ids.json"
+    path = folder / "ids.json"
     path.write_text(json.dumps(spec))
     return path
 
 
-def run_sides(model: Path, ids: Path, peer: str | None, logdir: Path) -> dict:
+def _gpt2_ref():
+    """tests/gpt2_ref.py as a module (the root conftest.py does not register it)."""
+    import importlib.util
+
+    name = "gpt2_ref"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, HERE.parent / "tests" / "gpt2_ref.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def gpt2_models() -> dict[str, Path]:
+    """GPT-2-small (124M, seed 0) as F32 and Q8_0 GGUF files made by llama.cpp's converter."""
+    ref = _gpt2_ref()
+    return {dtype: Path(ref.gguf_path(GPT2_SHAPE, 0, outtype)) for dtype, outtype in GPT2_DTYPES.items()}
+
+
+@pytest.fixture(scope="module")
+def gpt2_prompt_ids(gpt2_models, tmp_path_factory) -> Path:
+    """The prompts as token ids of toy's tokenizer from the GPT-2 file."""
+    return write_prompt_ids(gpt2_models["F32"], tmp_path_factory.mktemp("bench_infer_gpt2_prompts"))
+
+
+def run_sides(model: Path, ids: Path, peer: str | None, logdir: Path, new_tokens: int = NEW_TOKENS) -> dict:
     """Start toy (then llama.cpp), wait for both to warm up, alternate the reps."""
     args = ["--model", str(model), "--ids", str(ids), "--threads", str(THREADS), "--n-ctx", str(N_CTX)]
-    args += ["--new-tokens", str(NEW_TOKENS)]
+    args += ["--new-tokens", str(new_tokens)]
     sides: dict[str, Side] = {}
     out: dict = {"reps": {"toy": [], "peer": []}}
     try:
@@ -179,9 +232,44 @@ def figures(reps: list[dict]) -> dict[str, list[float]]:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_inference(record, bench_models, prompt_ids, tmp_path, dtype):
-    model = bench_models[dtype]
+    report(record, bench_models[dtype], prompt_ids, tmp_path, dtype)
+
+
+@pytest.mark.parametrize("dtype", list(GPT2_DTYPES))
+def test_inference_gpt2(record, gpt2_models, gpt2_prompt_ids, tmp_path, dtype):
+    report(
+        record,
+        gpt2_models[dtype],
+        gpt2_prompt_ids,
+        tmp_path,
+        dtype,
+        tag=f"{GPT2_TAG} {dtype}",
+        new_tokens=GPT2_NEW_TOKENS,
+        target=GPT2_TARGET,
+        arch="gpt2",
+        shape=f"{GPT2_SHAPE} (GPT-2-small: 12 layers, d 768, 12 heads, vocabulary 50257, tied head)",
+        weights="seeded random (tests/gpt2_ref.py, seed 0), converted by llama.cpp's convert_hf_to_gguf.py",
+    )
+
+
+def report(
+    record,
+    model: Path,
+    ids: Path,
+    tmp_path: Path,
+    dtype: str,
+    *,
+    tag: str | None = None,
+    new_tokens: int = NEW_TOKENS,
+    target: float | None = None,
+    **model_context,
+) -> None:
+    """Run both sides on ``model`` and print the records; figure names end in
+    ``tag`` (default: the dtype). ``target``: a toy / llama.cpp tokens/s
+    target the prefill and decode records carry with ``met``."""
+    tag = tag or dtype
     python = peer_python()
-    res = run_sides(model, prompt_ids, python, tmp_path)
+    res = run_sides(model, ids, python, tmp_path, new_tokens)
     toy_ready, toy_done = res["toy_ready"], res["toy_done"]
     tf = figures(res["reps"]["toy"])
     pf = figures(res["reps"]["peer"]) if python is not None else None
@@ -190,6 +278,7 @@ def test_inference(record, bench_models, prompt_ids, tmp_path, dtype):
 
     context = {
         "model": model.name,
+        **model_context,
         "dtype": dtype,
         "threads": THREADS,
         "n_ctx": N_CTX,
@@ -198,9 +287,12 @@ def test_inference(record, bench_models, prompt_ids, tmp_path, dtype):
         "cpus": os.cpu_count(),
     }
 
-    def pair(figure: str, key: str, unit: str, better: str, **extra):
+    def pair(figure: str, key: str, unit: str, better: str, *, targeted: bool = False, **extra):
         toy_v = med(tf[key])
         peer_v = med(pf[key]) if pf is not None else None
+        if targeted and target is not None:
+            extra["target"] = f"toy / llama.cpp >= {target}"
+            extra["met"] = toy_v / peer_v >= target if peer_v else None
         record(
             "infer",
             figure=figure,
@@ -217,9 +309,9 @@ def test_inference(record, bench_models, prompt_ids, tmp_path, dtype):
         )
 
     for n in PROMPT_LENGTHS:
-        pair(f"prefill {n} tokens, {dtype}", f"prefill_{n}", "tokens/s", "higher", prompt_tokens=n)
+        pair(f"prefill {n} tokens, {tag}", f"prefill_{n}", "tokens/s", "higher", targeted=True, prompt_tokens=n)
     pair(
-        f"time to first token, 128-token prompt, {dtype}",
+        f"time to first token, 128-token prompt, {tag}",
         "ttft_128",
         "s",
         "lower",
@@ -231,22 +323,23 @@ def test_inference(record, bench_models, prompt_ids, tmp_path, dtype):
     if pf is not None:
         same = common_prefix(res["reps"]["toy"][0]["decode"]["tokens"], res["reps"]["peer"][0]["decode"]["tokens"])
     pair(
-        f"decode tokens/s, forward steps only, {dtype}",
+        f"decode tokens/s, forward steps only, {tag}",
         "decode",
         "tokens/s",
         "higher",
+        targeted=True,
         prompt_tokens=SHORT_PROMPT,
-        new_tokens=NEW_TOKENS,
-        steps=NEW_TOKENS - 1,
+        new_tokens=new_tokens,
+        steps=new_tokens - 1,
         same_greedy_tokens=same,
     )
     pair(
-        f"decode tokens/s, whole generate loop, {dtype}",
+        f"decode tokens/s, whole generate loop, {tag}",
         "decode_loop",
         "tokens/s",
         "higher",
         prompt_tokens=SHORT_PROMPT,
-        new_tokens=NEW_TOKENS,
+        new_tokens=new_tokens,
     )
 
     # where toy's decode step goes (toy only: the peer has no equivalent split)
@@ -254,7 +347,7 @@ def test_inference(record, bench_models, prompt_ids, tmp_path, dtype):
     total = compute + engine + loop
     record(
         "infer",
-        figure=f"toy decode time per token, split, {dtype}",
+        figure=f"toy decode time per token, split, {tag}",
         value=total,
         unit="ms/token",
         **context,
@@ -276,7 +369,7 @@ def test_inference(record, bench_models, prompt_ids, tmp_path, dtype):
     peer_rss = res["peer_done"]["vm_hwm_bytes"] if python is not None else None
     record(
         "infer",
-        figure=f"peak RSS, {dtype}",
+        figure=f"peak RSS, {tag}",
         value=toy_rss,
         unit="bytes",
         **context,
@@ -296,7 +389,7 @@ def test_inference(record, bench_models, prompt_ids, tmp_path, dtype):
     if python is None:
         record(
             "infer",
-            figure=f"llama.cpp peer, {dtype}",
+            figure=f"llama.cpp peer, {tag}",
             value=None,
             unit="",
             peer_available=False,

@@ -68,6 +68,23 @@ The whole run takes about 10 minutes on 2 idle cores (about 1 minute with
 a lot when other processes compete for the cores (toy's and torch's thread
 pools spin at every barrier), which the alternation spreads over both sides
 but does not remove.
+
+GPT-2 (``test_train_step_gpt2``, shapes ``GPT2_SHAPES``): the same protocol,
+figures and records (names prefixed ``gpt2``) for ``toy.models.gpt2``'s
+``tiny`` (vocabulary 1024) and ``small`` (8192) presets at B=8, T=128, the
+config built as ``toy train from-scratch --arch gpt2`` does
+(``model_config(ModelShape(arch="gpt2", preset=...))``: as many learned
+positions as the context, tied head, LayerNorm eps 1e-5). toy trains
+``TrainEngine(ArchTrain(cfg), ...)`` as above; the torch side is the plain
+float32 ``nn.Module`` GPT-2 of ``bench_gpt2_torch.py`` (next to this file:
+``nn.LayerNorm``, fused biased QKV ``nn.Linear``,
+``scaled_dot_product_attention(is_causal=True)``, tanh GELU, tied head)
+with the same fused AdamW, decay on toy's decayed tensors only (the matrix
+and residual weights; not embeddings, positions, norms or biases), clip
+and step. Here the first warm-up losses (the same weights and batch, before
+any update) are asserted equal within ``GPT2_LOSS_RTOL`` (float32
+arithmetic, and ggml's GELU reads a float16 table), which proves both sides
+start from the same model.
 """
 
 from __future__ import annotations
@@ -106,6 +123,12 @@ if not QUICK:
         ("smollm2-135m", 49152, 1, 128, 8),
         ("smollm2-135m", 49152, 1, 256, 6),
     ]
+# GPT-2 (toy.models.gpt2.PRESETS): (preset, vocabulary, batch, context, timed steps per side)
+GPT2_SHAPES = [
+    ("tiny", 1024, 8, 128, 6 if QUICK else 12),
+    ("small", 8192, 8, 128, 4 if QUICK else 8),
+]
+GPT2_LOSS_RTOL = 1e-4  # first losses, toy vs torch (float32; ggml's GELU reads a float16 table)
 
 
 # ---------------------------------------------------------------- shared by both sides
@@ -117,6 +140,16 @@ def llama_config(preset: str, vocab: int, context: int):
     from toy.train.model import model_config
 
     return model_config(ModelShape(preset=preset), vocab, context)
+
+
+def arch_config(arch: str, preset: str, vocab: int, context: int):
+    """The training config of ``arch``'s preset (llama: ``llama_config``)."""
+    if arch == "llama":
+        return llama_config(preset, vocab, context)
+    from toy.train.config import ModelShape
+    from toy.train.model import model_config
+
+    return model_config(ModelShape(arch=arch, preset=preset), vocab, context)
 
 
 class Batch:
@@ -321,16 +354,24 @@ class TorchSide:
 
         torch.set_num_threads(threads)
         self.torch = torch
+        gpt2 = getattr(cfg, "architecture", "llama") == "gpt2"
+        if gpt2:
+            import bench_gpt2_torch  # this folder: the side runs this file as a script
         with torch.no_grad():
-            model = torch_model(cfg)
-            names = gguf_to_torch_names(cfg)
+            model = bench_gpt2_torch.torch_model(cfg) if gpt2 else torch_model(cfg)
+            names = bench_gpt2_torch.gguf_to_torch_names(cfg) if gpt2 else gguf_to_torch_names(cfg)
             own = dict(model.named_parameters())
             if sorted(names.values()) != sorted(own):
                 raise AssertionError(f"parameter names differ: {sorted(set(own) ^ set(names.values()))[:4]}")
             for g, t in names.items():
                 own[t].copy_(torch.from_numpy(params[g]))
-        decay = [p for n, p in model.named_parameters() if p.ndim == 2 and n != "embed.weight"]
-        no_decay = [p for n, p in model.named_parameters() if not (p.ndim == 2 and n != "embed.weight")]
+        if gpt2:  # toy's rule: matrix and residual weights (not embeddings, positions, norms, biases)
+            decayed = bench_gpt2_torch.decayed_names(cfg)
+            decay = [p for n, p in model.named_parameters() if n in decayed]
+            no_decay = [p for n, p in model.named_parameters() if n not in decayed]
+        else:
+            decay = [p for n, p in model.named_parameters() if p.ndim == 2 and n != "embed.weight"]
+            no_decay = [p for n, p in model.named_parameters() if not (p.ndim == 2 and n != "embed.weight")]
         self.model = model
         self.params = list(model.parameters())
         self.opt = torch.optim.AdamW(
@@ -386,6 +427,7 @@ def side_main(argv: list[str]) -> None:
     """One side's process: build, warm up, then serve ``steps K`` / ``done``."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--side", choices=("toy", "torch"), required=True)
+    ap.add_argument("--arch", default="llama", help="an architecture family of toy.models (llama, gpt2)")
     ap.add_argument("--preset", required=True)
     ap.add_argument("--vocab", type=int, required=True)
     ap.add_argument("--batch", type=int, required=True)
@@ -406,7 +448,7 @@ def side_main(argv: list[str]) -> None:
 
     rss_start = proc_status_bytes("VmRSS")
     t0 = time.perf_counter()
-    cfg = llama_config(args.preset, args.vocab, args.context)
+    cfg = arch_config(args.arch, args.preset, args.vocab, args.context)
     params = init_params(cfg, SEED)
     cls = ToySide if args.side == "toy" else TorchSide
     side = cls(cfg, params, args.batch, args.context, args.threads)
@@ -483,9 +525,11 @@ def side_env() -> dict:
     return env
 
 
-def run_shape(preset: str, vocab: int, batch: int, context: int, k: int, logdir: Path) -> dict:
+def run_shape(preset: str, vocab: int, batch: int, context: int, k: int, logdir: Path, arch: str = "llama") -> dict:
     args = ["--preset", preset, "--vocab", str(vocab), "--batch", str(batch), "--context", str(context)]
     args += ["--threads", str(THREADS)]
+    if arch != "llama":
+        args += ["--arch", arch]
     sides: dict[str, Side] = {}
     out: dict = {"ready": {}, "runs": {"toy": [], "torch": []}, "done": {}}
     per_round = [k // ROUNDS + (1 if r < k % ROUNDS else 0) for r in range(ROUNDS)]
@@ -522,7 +566,31 @@ def _collect(runs: list[dict]) -> tuple[list[float], list[float], dict[str, floa
     ids=[f"{p}-B{b}-T{t}" for p, _, b, t, _ in SHAPES],
 )
 def test_train_step(record, tmp_path, preset, vocab, batch, context, k):
-    res = run_shape(preset, vocab, batch, context, k, tmp_path)
+    report(record, tmp_path, preset, vocab, batch, context, k)
+
+
+@pytest.mark.parametrize(
+    "preset,vocab,batch,context,k",
+    GPT2_SHAPES,
+    ids=[f"gpt2-{p}-B{b}-T{t}" for p, _, b, t, _ in GPT2_SHAPES],
+)
+def test_train_step_gpt2(record, tmp_path, preset, vocab, batch, context, k):
+    ready = report(record, tmp_path, preset, vocab, batch, context, k, arch="gpt2")
+    # the same weights and batch before any update: the same loss, to float32 noise
+    first = {side: ready[side]["warmup_losses"][0] for side in ("toy", "torch")}
+    assert first["toy"] == pytest.approx(first["torch"], rel=GPT2_LOSS_RTOL), first
+
+
+def _rel_diff(ready: dict) -> float:
+    """|toy - torch| / |torch| of the first warm-up losses (the records round them to 4 digits)."""
+    a, b = ready["toy"]["warmup_losses"][0], ready["torch"]["warmup_losses"][0]
+    return abs(a - b) / abs(b)
+
+
+def report(record, tmp_path, preset, vocab, batch, context, k, arch: str = "llama") -> dict:
+    """Run both sides on one shape and print its records; returns the sides'
+    ``ready`` answers. ``arch`` other than llama prefixes the figure names."""
+    res = run_shape(preset, vocab, batch, context, k, tmp_path, arch)
     ready, done = res["ready"], res["done"]
     n_params = ready["toy"]["n_params"]
     assert n_params == ready["torch"]["n_params"], (n_params, ready["torch"]["n_params"])
@@ -533,9 +601,10 @@ def test_train_step(record, tmp_path, preset, vocab, batch, context, k):
     toy_ms, torch_ms = 1e3 * statistics.median(toy_t), 1e3 * statistics.median(torch_t)
     tokens = batch * context
     peer = f"PyTorch {ready['torch']['version']} (float32 nn.Module, AdamW)"
-    shape_name = f"{preset}, B={batch}, T={context}"
+    shape_name = f"{preset}, B={batch}, T={context}" if arch == "llama" else f"{arch} {preset}, B={batch}, T={context}"
     context_ = {
         "threads": THREADS,
+        **({} if arch == "llama" else {"arch": arch}),
         "preset": preset,
         "vocab": vocab,
         "batch": batch,
@@ -572,6 +641,7 @@ def test_train_step(record, tmp_path, preset, vocab, batch, context, k):
         toy_warmup_s=ready["toy"]["warmup_s"],
         torch_warmup_s=ready["torch"]["warmup_s"],
         loss_first={"toy": ready["toy"]["warmup_losses"][0], "torch": ready["torch"]["warmup_losses"][0]},
+        **({} if arch == "llama" else {"loss_first_rel_diff": _rel_diff(ready)}),
         loss_last={"toy": toy_loss[-1], "torch": torch_loss[-1]},
         toy_graph_nodes=ready["toy"].get("graph_nodes"),
         toy_graph_top_ops=ready["toy"].get("graph_top_ops"),
@@ -618,6 +688,7 @@ def test_train_step(record, tmp_path, preset, vocab, batch, context, k):
         note="growth: the process's peak (VmHWM) minus its RSS after the imports; steps_peak_growth: the peak "
         "over the timed steps alone (VmHWM reset after the warm-up) minus the same start",
     )
+    return ready
 
 
 if __name__ == "__main__":
