@@ -64,6 +64,7 @@ from pathlib import Path
 import gpt2_ref
 import numpy as np
 import pytest
+from train_helpers import seeded_adapter
 
 import toy_ggml
 
@@ -186,41 +187,9 @@ LORA_PROMPTS = ["The capital of France is", "Once upon a time, there was a littl
 LORA_BASE_NAME = "gpt2-tiny-seed0-f32.gguf"
 
 
-def make_gpt2_adapter(
-    base_path, out_path, *, seed: int, rank: int, alpha: float, targets: list[str], std: float
-) -> Path:
-    """For every layer in order and every target in ``targets``' order (the
-    weight named by the registry's ``lora_targets``), A (rank, in) then B
-    (out, rank), entries ``std · N(0, 1)`` from one
-    ``np.random.default_rng(seed)`` stream, float32; ``save_adapter`` with
-    ``toy.lora.base`` = ``LORA_BASE_NAME`` (fixed: the bytes do not depend on
-    where the base is)."""
-    from toy import models
-    from toy.gguf import GGUFFile
-    from toy.train.adapter import save_adapter
-
-    with GGUFFile(base_path) as gf:
-        cfg = models.config_from_gguf(gf)
-        shapes = {n: tuple(i.shape) for n, i in gf.tensors.items()}
-    spec = models.of(cfg).lora_targets(cfg)
-    rng = np.random.default_rng(seed)
-    pairs = {}
-    for i in range(cfg.n_layer):
-        for t in targets:
-            name = f"blk.{i}.{spec[t].stem}.weight"
-            out, inn = shapes[name]
-            a = (rng.standard_normal((rank, inn)) * std).astype(np.float32)
-            b = (rng.standard_normal((out, rank)) * std).astype(np.float32)
-            pairs[name] = (a, b)
-    return save_adapter(
-        out_path,
-        architecture=cfg.architecture,
-        pairs=pairs,
-        alpha=alpha,
-        rank=rank,
-        targets=list(targets),
-        base=LORA_BASE_NAME,
-    )
+def make_gpt2_adapter(base_path, out_path, **recipe) -> Path:
+    """The adapter of the fixture (``train_helpers.seeded_adapter``, base name ``LORA_BASE_NAME``)."""
+    return seeded_adapter(base_path, out_path, base_name=LORA_BASE_NAME, **recipe)
 
 
 # -- toy's side (the recorder calls these too) ---------------------------------------

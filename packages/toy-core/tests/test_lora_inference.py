@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from train_helpers import seeded_adapter
 
 import toy
 from toy.train.adapter import AdapterError, load_adapter, save_adapter
@@ -37,48 +38,9 @@ IDS = [1, 5, 9, 33, 2, 70, 4, 4, 12, 88, 40, 41, 7, 0, 63, 95, 17]
 ALL = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
-def make_parity_adapter(
-    base_path,
-    out_path,
-    *,
-    seed: int,
-    rank: int,
-    alpha: float,
-    targets: list[str],
-    std: float,
-    base_name: str = "SmolLM2-135M-Instruct.Q4_1.gguf",
-) -> Path:
-    """The adapter of the llama.cpp parity fixture: for every layer in order
-    and every target in ``targets``' order, A (rank, in) then B (out, rank),
-    entries ``std · N(0, 1)`` from one ``np.random.default_rng(seed)``
-    stream, float32; written with ``save_adapter`` (toy.lora.base =
-    ``base_name``, fixed so the bytes do not depend on where the model is)."""
-    from toy import models
-    from toy.gguf import GGUFFile
-
-    with GGUFFile(base_path) as gf:
-        shapes = {n: tuple(i.shape) for n, i in gf.tensors.items()}
-        cfg = models.config_from_gguf(gf)
-        n_layer = cfg.n_layer
-    stems = {t: x.stem for t, x in models.of(cfg).lora_targets(cfg).items()}
-    rng = np.random.default_rng(seed)
-    pairs = {}
-    for i in range(n_layer):
-        for t in targets:
-            name = f"blk.{i}.{stems[t]}.weight"
-            out, inn = shapes[name]
-            a = (rng.standard_normal((rank, inn)) * std).astype(np.float32)
-            b = (rng.standard_normal((out, rank)) * std).astype(np.float32)
-            pairs[name] = (a, b)
-    return save_adapter(
-        out_path,
-        architecture=cfg.architecture,
-        pairs=pairs,
-        alpha=alpha,
-        rank=rank,
-        targets=list(targets),
-        base=base_name,
-    )
+def make_parity_adapter(base_path, out_path, *, base_name: str = "SmolLM2-135M-Instruct.Q4_1.gguf", **recipe) -> Path:
+    """The adapter of the llama.cpp parity fixture (``train_helpers.seeded_adapter``)."""
+    return seeded_adapter(base_path, out_path, base_name=base_name, **recipe)
 
 
 # ---------------------------------------------------------------- tiny models
