@@ -159,3 +159,54 @@ def test_bad_stops_raise(stops):
 def test_push_rejects_non_text():
     with pytest.raises(ToyError, match="text="):
         StopMatcher(["x"]).push(b"bytes")
+
+
+def ref_pending(text: str, stops) -> str:
+    """Brute force: the longest suffix of ``text`` that is a proper prefix of some stop string."""
+    for n in range(len(text), 0, -1):
+        if any(len(s) > n and s.startswith(text[-n:]) for s in stops):
+            return text[-n:]
+    return ""
+
+
+def test_held_back_text_is_the_longest_prefix_suffix():
+    # periodic stops are where a linear matcher's failure links matter (KMP's hard cases)
+    rng = random.Random(1)
+    stop_sets = [["abaabab"], ["aaaab", "aab"], ["abcabcabd"], ["ab" * 6 + "c", "bab"]]
+    for _ in range(300):
+        stops = rng.choice(stop_sets)
+        m, shown = StopMatcher(stops), ""
+        for _ in range(40):
+            piece = "".join(rng.choice("abc") for _ in range(rng.randint(0, 3)))
+            out, stopped = m.push(piece)
+            shown += out
+            if stopped:
+                break
+            assert m.pending == ref_pending(shown + m.pending, stops)
+
+
+def test_long_stop_strings_cost_linear_memory():
+    # Regression: the matcher kept every prefix of every stop in a set, so one 40,000-character stop cost
+    # ~800 MB (~L^2/2 characters). Measured in a child process: peak RSS growth while building 16 such
+    # matchers and pushing 200,000 characters through one (a stop that keeps almost matching).
+    import subprocess
+    import sys
+
+    code = """
+import resource
+from toy.engine.stop import StopMatcher
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+stops = ["a" * 40000 + str(i) for i in range(16)]
+m = StopMatcher(stops)
+held, shown = 0, 0
+for _ in range(200):
+    out, stopped = m.push("a" * 1000)
+    held, shown = max(held, len(m.pending)), shown + len(out)
+assert not stopped and held == 40000 and shown == 200000 - 40000, (held, shown)
+assert m.push("7") == ("", True) and m.matched == stops[7]
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    grown_mib = int(r.stdout.split()[-1])
+    assert grown_mib < 64, f"peak RSS grew by {grown_mib} MiB"

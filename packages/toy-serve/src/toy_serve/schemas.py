@@ -48,9 +48,11 @@ from toy.engine.sampling import SamplingParams
 MAX_N = 8
 MAX_LOGPROBS = 20
 MAX_STOP = 16
+MAX_STOP_CHARS = 1024  # characters in one stop string (matching is linear, but a request stays small)
 MAX_ITEMS = 4096  # prompts, inputs, messages per request (the jobs bound is Settings.max_batch)
 MAX_IDS = 1_000_000  # token ids in one list (the context bounds them further)
 Text = Annotated[str, Field(min_length=1)]
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0)]
 Ids = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_IDS)]
 Prompt = Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_ITEMS)] | Ids
@@ -59,7 +61,7 @@ Prompt |= Annotated[list[Ids], Field(min_length=1, max_length=MAX_ITEMS)]
 UNION_HINTS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
     "input": "a string, a list of strings, a list of token ids or a list of token-id lists",
-    "stop": "a non-empty string, a list of at most 16 non-empty strings, or null",
+    "stop": f"a string of 1 to {MAX_STOP_CHARS} characters, a list of at most {MAX_STOP} such strings, or null",
     "content": "a string or a list of {'type': 'text', 'text': ...} parts",
 }
 
@@ -100,7 +102,7 @@ class _Sampling(_Model):
     repetition_penalty: float = Field(1.0, gt=0, le=10, description="toy extension: llama.cpp repeat penalty")
     penalty_last_n: int = Field(64, ge=-1, description="toy extension: penalty window (-1 = whole context)")
     seed: int | None = Field(None, ge=-1)  # reduced modulo 2**63 (an exact upper bound would be published as a float)
-    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -134,6 +134,12 @@ class EngineWorker:
                 + f"), more than the context of {self.engine.n_ctx} tokens per sequence",
                 hint="shorten the prompt or lower max_tokens",
             )
+        if job.kind == "generate":
+            # Per-request preparation happens here, on the caller's thread, never under the worker's lock.
+            job.sampler = Sampler(job.params, self.model.cfg.n_vocab)
+            job.stops = job.params.stop_token_ids(self.model.tokenizer.eog_ids)
+            job.matcher = StopMatcher(job.params.stop)
+            job.decoder = self.model.tokenizer.incremental_decoder()
         with self._cv:
             if self._stop:
                 raise QueueFullError("the server is shutting down")
@@ -220,10 +226,6 @@ class EngineWorker:
         job.phase = "embed" if job.kind == "embed" else "prefill"
         job.t_start = time.perf_counter()
         if job.kind == "generate":
-            job.sampler = Sampler(job.params, self.model.cfg.n_vocab)
-            job.stops = job.params.stop_token_ids(self.model.tokenizer.eog_ids)
-            job.matcher = StopMatcher(job.params.stop)
-            job.decoder = self.model.tokenizer.incremental_decoder()
             job.history = list(job.ids)
         self._slots[best] = job
         if self.metrics:

@@ -33,9 +33,15 @@ Decisions:
   count); an empty stop string is an error, since it would match at once.
 - Duplicates are dropped, keeping the first occurrence's order; a single
   string is taken as one stop string, not as a list of characters.
-- Matching uses ``str.find`` per stop string on the pending text plus the new
-  piece: the pending part is shorter than the longest stop string, so a push
-  costs O(len(piece) * number of stops), with at most 16 stops in practice.
+- Matching is linear: each stop string gets a Knuth-Morris-Pratt failure
+  table (one int per character) when the matcher is built, and every pushed
+  character advances one match state per stop string (amortized O(1)). So
+  building costs O(total length of the stop strings) in time and memory, and a
+  push O(len(piece) * number of stops), whatever the stops' lengths. (An
+  earlier version kept every prefix of every stop string in a set: memory
+  quadratic in a stop's length, ~800 MB for one 40,000-character stop.) Callers
+  facing untrusted input still bound the stops' count and length (the server:
+  16 strings of at most ``toy_serve.schemas.MAX_STOP_CHARS`` characters).
 """
 
 from __future__ import annotations
@@ -61,20 +67,18 @@ def _normalize(stops: Sequence[str] | str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(items))
 
 
-def _first_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
-    """(start, stop) of the stop occurrence in ``text`` that ends first (the longer one on a tie), or None."""
-    best: tuple[int, int, str] | None = None  # (end, -length, stop): min() picks earliest end, then longest
-    for stop in stops:
-        start = text.find(stop)  # the first occurrence of this stop also ends first
-        if start < 0:
-            continue
-        key = (start + len(stop), -len(stop), stop)
-        if best is None or key < best:
-            best = key
-    if best is None:
-        return None
-    end, neg_len, stop = best
-    return end + neg_len, stop
+def _failure(stop: str) -> list[int]:
+    """KMP failure table: ``f[i]`` = length of the longest proper prefix of ``stop[:i+1]`` that is also its suffix."""
+    f = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        c = stop[i]
+        while k and stop[k] != c:
+            k = f[k - 1]
+        if stop[k] == c:
+            k += 1
+        f[i] = k
+    return f
 
 
 class StopMatcher:
@@ -86,9 +90,9 @@ class StopMatcher:
 
     def __init__(self, stops: Sequence[str]):
         self.stops = _normalize(stops)
-        # Every proper prefix of every stop: a pending suffix in this set might still become a stop string.
-        self._prefixes = frozenset(s[:i] for s in self.stops for i in range(1, len(s)))
-        self._max_hold = max((len(s) - 1 for s in self.stops), default=0)
+        self._fail = [_failure(s) for s in self.stops]
+        # _state[i]: length of the longest suffix of the text so far that is a prefix of stops[i] (< its length)
+        self._state = [0] * len(self.stops)
         self._pending = ""
         self.stopped = False
         self.matched: str | None = None
@@ -98,12 +102,22 @@ class StopMatcher:
         """The text held back because it may be the start of a stop string."""
         return self._pending
 
-    def _hold_length(self, text: str) -> int:
-        # Longest first: the longest suffix that is a prefix covers every shorter candidate start.
-        for n in range(min(self._max_hold, len(text)), 0, -1):
-            if text[-n:] in self._prefixes:
-                return n
-        return 0
+    def _advance(self, c: str) -> str | None:
+        """Feed one character to every stop's automaton; the stop completed by it (the longest), or None."""
+        done = None
+        state, stops, fails = self._state, self.stops, self._fail
+        for i, stop in enumerate(stops):
+            k = state[i]
+            while k and stop[k] != c:
+                k = fails[i][k - 1]
+            if stop[k] == c:
+                k += 1
+            if k == len(stop):
+                if done is None or len(stop) > len(done):
+                    done = stop
+                k = fails[i][k - 1]
+            state[i] = k
+        return done
 
     def push(self, text: str) -> tuple[str, bool]:
         """Feed the next piece of generated text; return what may be emitted now and whether a stop was hit."""
@@ -113,24 +127,26 @@ class StopMatcher:
             return "", True
         if not self.stops:
             return text, False
-        # A stop cannot lie entirely inside the old pending text (the last push would have found it), but it
-        # can start there, so the search runs over pending + the new piece.
+        # The held-back text is exactly the longest current match (every shorter one is its suffix), so a stop
+        # completed inside this piece starts within pending + piece.
         buf = self._pending + text
-        hit = _first_stop(buf, self.stops)
-        if hit is not None:
-            start, stop = hit
-            self._pending = ""
-            self.stopped = True
-            self.matched = stop
-            return buf[:start], True
-        hold = self._hold_length(buf)
+        base = len(self._pending)
+        for j, c in enumerate(text):
+            stop = self._advance(c)
+            if stop is not None:
+                self._pending = ""
+                self.stopped = True
+                self.matched = stop
+                return buf[: base + j + 1 - len(stop)], True
+        hold = max(self._state)
         cut = len(buf) - hold
         self._pending = buf[cut:]
         return buf[:cut], False
 
     def reset(self) -> None:
-        """Start over for a new text with the same stop strings (the prefix table is kept)."""
+        """Start over for a new text with the same stop strings (the failure tables are kept)."""
         self._pending = ""
+        self._state = [0] * len(self.stops)
         self.stopped = False
         self.matched = None
 
@@ -140,6 +156,7 @@ class StopMatcher:
     def flush(self) -> str:
         """At the end of generation (no more text coming): release the held-back text."""
         out, self._pending = self._pending, ""
+        self._state = [0] * len(self.stops)
         return out
 
 
@@ -150,8 +167,6 @@ def truncate_at_stop(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
     """
     if not isinstance(text, str):
         raise SamplingError(f"text={text!r} must be a str, not {type(text).__name__}")
-    hit = _first_stop(text, _normalize(stops))
-    if hit is None:
-        return text, None
-    start, stop = hit
-    return text[:start], stop
+    m = StopMatcher(stops)
+    out, stopped = m.push(text)
+    return (out, m.matched) if stopped else (text, None)
