@@ -149,3 +149,49 @@ def test_demo_chat_passes_check(tmp_path, capsys, smollm2_path):
     assert again.read_bytes() == out_path.read_bytes()
     other_lines = other.read_text("utf-8").splitlines()
     assert len(other_lines) == 20 and other_lines != out_path.read_text("utf-8").splitlines()[:20]
+
+
+def test_check_empty_file_is_a_problem(tmp_path, capsys, smollm2_path):
+    # Regression: an empty file passed ("problems 0", exit 0) although training refuses it.
+    for name, body in [("empty.jsonl", b""), ("blank.jsonl", b"\n  \n\n")]:
+        path = tmp_path / name
+        path.write_bytes(body)
+        code, out, err = run(capsys, "data", "check", path, "--model", smollm2_path)
+        assert code == 2, out
+        assert EMPTY in out.splitlines()
+        assert "problems     1" in out.splitlines()
+        assert f"error: 1 problem in {path}" in err
+        code, out, _ = run(capsys, "data", "check", path, "--model", smollm2_path, "--json")
+        assert code == 2 and json.loads(out)["problems"] == [{"line": 0, "reason": EMPTY}]
+
+
+EMPTY = "the file holds no example (it is empty or has only blank lines)"
+
+
+def test_check_shows_a_bounded_part_of_a_long_example(tmp_path, capsys, smollm2_path):
+    # Regression: an over-long example was printed whole (20 MB for one line). Now at most SHOW_TOKENS
+    # tokens of it are decoded and shown, then a count of the rest; the statistics still cover all of it.
+    from toy.train.instruct import SHOW_TOKENS
+
+    long_text = "word " * 200_000  # 1 MB, one line
+    path = write(tmp_path / "long.jsonl", [{"text": long_text}])
+    code, out, err = run(capsys, "data", "check", path, "--model", smollm2_path)
+    assert code == 0, err
+    n = next(int(ln.split()[1].replace(",", "")) for ln in out.splitlines() if ln.startswith("tokens       "))
+    assert n > 100_000
+    assert f"… {n - SHOW_TOKENS:,} more tokens not shown" in out
+    assert len(out) < 10_000
+    code, out, _ = run(capsys, "data", "check", path, "--model", smollm2_path, "--json")
+    sample = json.loads(out)["samples"][0]
+    assert sample["n_tokens"] == n and sample["shown_tokens"] == SHOW_TOKENS
+    assert len("".join(s["text"] for s in sample["segments"])) < 5 * SHOW_TOKENS + 10
+
+
+def test_check_injected_markup_stays_text(tmp_path, capsys, smollm2_path):
+    row = {"messages": [{"role": "user", "content": "a<|im_end|>b"}, {"role": "assistant", "content": "ok"}]}
+    path = write(tmp_path / "inj.jsonl", [row])
+    code, out, _ = run(capsys, "data", "check", path, "--model", smollm2_path, "--json")
+    plain = json.loads(out)["samples"][0]["n_tokens"]
+    code2, out, _ = run(capsys, "data", "check", path, "--model", smollm2_path, "--json", "--special-in-content")
+    raw = json.loads(out)["samples"][0]["n_tokens"]
+    assert code == code2 == 0 and plain > raw  # "<|im_end|>" as text takes several tokens, as a control one

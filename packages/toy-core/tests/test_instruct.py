@@ -384,10 +384,11 @@ def test_smollm2_formats(tmp_path, smol):
         "\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n\n"
     )
     # no system message: the template's default one is part of the prompt, without loss;
-    # control-token text in user content is parsed (one id), as the inference prompt path does
+    # control-token text in user content stays text (the chat injection rule), as on the inference prompt path
     assert spans(tok, ctl) == ["no<|im_end|>"]
     assert tok.decode(ctl.tokens[~ctl.loss]).startswith("<|im_start|>system\nYou are a helpful AI assistant")
-    assert int((ctl.tokens == tok.token_to_id("<|im_end|>")).sum()) == 4  # system, user (+1 inside), assistant
+    assert int((ctl.tokens == tok.token_to_id("<|im_end|>")).sum()) == 3  # system, user, assistant
+    assert "user\nsay <|im_end|> now<|im_end|>" in tok.decode(ctl.tokens)
     assert st.kinds == {"text": 1, "prompt_completion": 1, "messages": 2}
 
 

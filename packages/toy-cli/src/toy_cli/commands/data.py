@@ -5,10 +5,14 @@ instruction-tuning examples (``text``, ``prompt``/``completion`` or
 ``messages``; see docs/reference/data-formats.md) with the model's tokenizer
 and chat template only (no weights are loaded), and prints, on stdout: the
 first ``--show`` examples as the model will see them with the tokens that
-carry loss marked, then length statistics, counts per format, the number of
+carry loss marked (at most ``toy.train.instruct.SHOW_TOKENS`` tokens of each,
+then a count of the rest), then length statistics, counts per format, the number of
 examples longer than ``--max-length``, and every problem as ``line N:
 reason``. It exits 0 when there is no problem, 2 otherwise (with an
-``error:`` line on stderr giving the count).
+``error:`` line on stderr giving the count). A file without any example
+(empty, or only blank lines) is a problem, as training refuses it.
+``--special-in-content`` checks with control-token text in messages parsed
+(``data.special_in_content``); by default it stays text, as in training.
 
 Decision on the marks: on a colour terminal the loss spans are bold green
 (rich); when stdout is not a terminal, when ``NO_COLOR`` is set, or with
@@ -96,6 +100,9 @@ def _print_samples(samples: list[dict], styled: bool) -> None:
             body = "".join(f"{OPEN}{seg}{CLOSE}" if loss else seg for seg, loss in s["segments"])
             typer.echo(head)
             typer.echo(body, nl=not body.endswith("\n"))
+        hidden = s["n_tokens"] - s.get("shown_tokens", s["n_tokens"])
+        if hidden > 0:
+            typer.echo(f"… {hidden:,} more tokens not shown")
         typer.echo("")
 
 
@@ -112,6 +119,13 @@ def check_cmd(
     show: Annotated[int, typer.Option("--show", help="Print this many examples with their loss marked.")] = 3,
     plain: Annotated[bool, typer.Option("--plain", help=f"Mark loss spans with {OPEN} {CLOSE}, no colour.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    special_in_content: Annotated[
+        bool,
+        typer.Option(
+            "--special-in-content",
+            help="Parse control-token text inside messages as control tokens (data.special_in_content).",
+        ),
+    ] = False,
 ) -> None:
     """Check instruction-tuning data: the loss-carrying tokens of the first examples, lengths, formats, problems."""
     if show < 0:
@@ -124,13 +138,15 @@ def check_cmd(
         tokenizer, template, ctx = _load(model)
         if max_length is None:
             max_length = min(ctx, MAX_LENGTH_CAP) if ctx else MAX_LENGTH_CAP
-        report = check_file(file, tokenizer, template, max_length=max_length, show=show)
+        report = check_file(
+            file, tokenizer, template, max_length=max_length, show=show, special_in_content=special_in_content
+        )
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))
     else:
         styled = not plain and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
         _print_samples(report.samples, styled)
-        lines = _summary(report) + [f"line {n}: {reason}" for n, reason in report.problems]
+        lines = _summary(report) + [f"line {n}: {reason}" if n else reason for n, reason in report.problems]
         typer.echo("\n".join(lines))
     if report.problems:
         n = len(report.problems)

@@ -68,6 +68,13 @@ Batch = Annotated[int, typer.Option("--batch", help="Prefill micro-batch (tokens
 Flash = Annotated[bool, typer.Option("--flash-attn", help="Use flash attention.")]
 KvType = Annotated[str, typer.Option("--kv-type", help="KV cache type: f16, f32, q8_0 (q8_0 needs --flash-attn).")]
 System = Annotated[str | None, typer.Option("--system", help="System message (chat).")]
+RawSpecial = Annotated[
+    bool,
+    typer.Option(
+        "--special-in-content",
+        help="Parse control-token text in messages (e.g. <|im_end|>) as control tokens; by default it stays text.",
+    ),
+]
 Lora = Annotated[
     list[str] | None,
     typer.Option(
@@ -211,6 +218,7 @@ def infer(
         bool, typer.Option("--chat", help="Send the prompt as a user message through the chat template.")
     ] = False,
     system: System = None,
+    special_in_content: RawSpecial = False,
     max_tokens: Annotated[
         int | None,
         typer.Option(
@@ -262,6 +270,8 @@ def infer(
     text = _read_prompt(prompt, prompt_opt, prompt_file)
     if system is not None and not chat:
         raise _cli_error("--system needs --chat", "add --chat to use the chat template", 2)
+    if special_in_content and not chat:
+        raise _cli_error("--special-in-content needs --chat", "a plain prompt's control tokens are always parsed", 2)
     if logprobs is not None and not as_json:
         raise _cli_error("--logprobs needs --json", "add --json to get each token's logprobs", 2)
     adapters = parse_lora_options(lora)
@@ -269,7 +279,7 @@ def infer(
     try:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
         with _errors():
-            ids = m.prompt_ids(messages if chat else text)
+            ids = m.prompt_ids(messages, special_in_content) if chat else m.prompt_ids(text)
             if max_tokens is None and len(ids) < m.n_ctx:
                 # the default budget shrinks to fit a small context (e.g. a checkpoint
                 # trained with 128-token windows); an explicit -n is kept as asked
@@ -303,6 +313,7 @@ def infer(
 def chat_cmd(
     model: Annotated[str, typer.Argument(help=f"A GGUF path or a model name (e.g. {DEFAULT_MODEL}).")] = DEFAULT_MODEL,
     system: System = None,
+    special_in_content: RawSpecial = False,
     max_tokens: MaxTok = 512,
     temperature: Temp = 0.8,
     top_k: TopK = 40,
@@ -346,7 +357,7 @@ def chat_cmd(
     m = _load(model, device, threads, ctx, batch, flash_attn, kv_type, adapters)
     interactive = sys.stdin.isatty()
     try:
-        session = m.chat(system=system)
+        session = m.chat(system=system, special_in_content=special_in_content)
         if interactive:
             with_lora = "".join(f" + {Path(p).name}×{sc:g}" for p, sc in m.adapters)
             typer.echo(

@@ -6,7 +6,12 @@ Decisions (written down because nobody else will):
 - A prompt is a str (tokenized with the file's add-BOS flag, control tokens
   such as ``<|im_start|>`` parsed), a list of token ids (used as is), or a
   list of ``{"role", "content"}`` messages (rendered with the model's chat
-  template, then tokenized the same way, a doubled BOS dropped).
+  template, then tokenized the same way, a doubled BOS dropped), except that
+  control-token text inside the messages stays plain text: a user cannot
+  write ``<|im_end|><|im_start|>system`` and open a turn
+  (``toy.tokenizer.chat``'s injection rule). ``special_in_content=True``
+  (``generate``/``stream``/``chat``/``prompt_ids``) parses it as control
+  tokens, for callers who mean it.
 - ``generate``/``stream`` run on cache slot 0 and, by default, prefill the
   whole prompt: the result then depends only on (prompt, params) and equals
   llama.cpp's greedy output token for token. ``cache_prompt=True`` keeps the
@@ -151,12 +156,17 @@ class Model:
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
 
-    def prompt_ids(self, prompt) -> list[int]:
-        """Token ids for a str, a list of ids or a list of chat messages."""
+    def prompt_ids(self, prompt, special_in_content: bool = False) -> list[int]:
+        """Token ids for a str, a list of ids or a list of chat messages (control-token text in messages
+        stays text unless ``special_in_content``)."""
         if isinstance(prompt, str):
             ids = self.tokenize(prompt)
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
-            ids = self.tokenize(self.render_chat(prompt))
+            if special_in_content:
+                ids = self.tokenize(self.render_chat(prompt))
+            else:
+                text, spans = self.chat_template.render_protected(prompt, self.tokenizer.special_spans)
+                ids = self.tokenizer.encode_protected(text, spans)
             bos = self.tokenizer.bos_id
             if bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
                 ids = ids[1:]  # the template wrote BOS and the tokenizer added one
@@ -191,19 +201,35 @@ class Model:
         base = sampling if sampling is not None else SamplingParams()
         return base.replace(**kw) if kw else base.validate()
 
-    def generate(self, prompt, sampling: SamplingParams | None = None, *, cache_prompt: bool = False, **kw):
+    def generate(
+        self,
+        prompt,
+        sampling: SamplingParams | None = None,
+        *,
+        cache_prompt: bool = False,
+        special_in_content: bool = False,
+        **kw,
+    ):
         """Generate a continuation: returns a ``Generation``. Sampling options
         come as a ``SamplingParams`` and/or keyword arguments (which win)."""
-        stream = self.stream(prompt, sampling, cache_prompt=cache_prompt, **kw)
+        stream = self.stream(prompt, sampling, cache_prompt=cache_prompt, special_in_content=special_in_content, **kw)
         for _ in stream:
             pass
         return stream.result
 
-    def stream(self, prompt, sampling: SamplingParams | None = None, *, cache_prompt: bool = False, **kw) -> Stream:
+    def stream(
+        self,
+        prompt,
+        sampling: SamplingParams | None = None,
+        *,
+        cache_prompt: bool = False,
+        special_in_content: bool = False,
+        **kw,
+    ) -> Stream:
         """Like ``generate`` but returns a ``Stream`` of text chunks. The prompt
         is checked (tokens, budget) before this returns."""
         params = self._params(sampling, kw)
-        ids = self.prompt_ids(prompt)
+        ids = self.prompt_ids(prompt, special_in_content)
         need = len(ids) + params.max_tokens
         if need > self.n_ctx:
             from toy.engine.llm import ContextOverflowError

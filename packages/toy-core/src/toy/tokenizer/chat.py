@@ -21,17 +21,39 @@ A file without a template gets ``DEFAULT_CHAT_TEMPLATE``, plain ChatML
 what llama.cpp falls back to as well; ``is_default`` tells the two apart.
 
 Invariants: messages are validated before rendering (a list of mappings with a
-non-empty ``role`` str and a ``content`` str; other keys are passed through when
-their values are plain JSON-like data) and handed to the template as fresh
-copies; every failure, including the template's own ``raise_exception``, is a
-``ChatTemplateError``.
+``role`` that is a plain name, see ``ROLE_PATTERN``, and a ``content`` str; other
+keys are passed through when their values are plain JSON-like data) and handed to
+the template as fresh copies; every failure, including the template's own
+``raise_exception``, is a ``ChatTemplateError``.
+
+Control tokens in content (the injection rule). A message's text is data, the
+template's markup is structure: ``<|im_end|>\n<|im_start|>system`` typed by a
+user must not become a system turn. ``render_protected`` renders the messages
+and also returns the character spans of the rendered text where control-token
+text came from the messages' strings (found by the tokenizer's own
+``special_spans``, so exactly what it would parse as control tokens); the
+tokenizer then encodes those spans as plain text and everything else as usual
+(``Tokenizer.encode_protected``). How the spans are found: each control-token
+occurrence in a message string is replaced by a private-use placeholder, the
+messages are rendered again, and the placeholders are put back; the result must
+equal the plain rendering character for character, else (a template that
+inspects content in a way the placeholders change) a ``ChatTemplateError`` asks
+the caller to remove the control tokens rather than guess. Messages without
+control-token text render and encode exactly as before (one rendering, one
+``encode``), so prompts stay token-for-token equal to llama.cpp's. Role names
+cannot carry markup at all: they must match ``ROLE_PATTERN``. Every entry point
+(``Model.prompt_ids``: ``toy infer --chat``, ``toy chat``, the server; and the
+``messages`` training format) follows the rule; ``special_in_content=True`` on
+those paths (``--special-in-content`` on the command line) turns it off for
+callers who really mean raw control tokens.
 """
 
 from __future__ import annotations
 
 import datetime
 import operator
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
@@ -51,6 +73,10 @@ _RESERVED = frozenset(
     {"messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "strftime_now"}
 )
 _MAX_DEPTH = 32
+#: What a role name may be: a letter, then letters, digits, ``_``, ``-`` or ``.`` (64 characters at most).
+ROLE_PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
+#: Private-use characters, tried in turn, to build the placeholders of ``render_protected``.
+_MARKS = [(chr(0xE000 + 2 * i), chr(0xE001 + 2 * i)) for i in range(64)]
 
 
 class ChatTemplateError(ToyError):
@@ -87,6 +113,17 @@ def _plain(value: Any, where: str, depth: int = 0) -> Any:
     raise ChatTemplateError(f"{where} is a {type(value).__name__}; only JSON-like values can reach a chat template")
 
 
+def _map_strings(value: Any, fn: Callable[[str], str], key: str | None = None) -> Any:
+    """``value`` (plain JSON-like data) with ``fn`` applied to every string in it except role names."""
+    if isinstance(value, str):
+        return value if key == "role" else fn(value)
+    if isinstance(value, dict):
+        return {k: _map_strings(v, fn, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_strings(v, fn) for v in value]
+    return value
+
+
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """Check ``messages`` and return plain copies; raise ChatTemplateError
     naming the first bad message otherwise."""
@@ -103,6 +140,11 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
             raise ChatTemplateError(f"{where} has no 'role'")
         if not isinstance(role, str) or not role:
             raise ChatTemplateError(f"{where}['role'] must be a non-empty str, got {role!r}")
+        if not ROLE_PATTERN.fullmatch(role):
+            raise ChatTemplateError(
+                f"{where}['role'] {role[:80]!r} is not a role name",
+                hint="a role is a letter followed by letters, digits, '_', '-' or '.' (at most 64), e.g. 'user'",
+            )
         if "content" not in m:
             raise ChatTemplateError(f"{where} (role {role!r}) has no 'content'")
         if not isinstance(content, str):
@@ -223,6 +265,61 @@ class ChatTemplate:
                 raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
             finally:
                 gen.close()
+
+    def render_protected(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        special_spans: Callable[[str], list[tuple[int, int]]],
+        add_generation_prompt: bool = True,
+        **variables: Any,
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """``render`` plus the spans ``(start, end)`` of the result that hold control-token text taken from
+        the messages' strings (``special_spans(s)`` gives those of one string: the tokenizer's matches).
+
+        The spans are empty when no message string holds control-token text (then the text was rendered
+        once, as ``render`` does). See the module docstring for the rule and how the spans are found."""
+        text = self.render(messages, add_generation_prompt, **variables)
+        found: list[str] = []
+
+        def mark(s: str) -> str:
+            spans = special_spans(s)
+            if not spans:
+                return s
+            out, pos = [], 0
+            for a, b in spans:
+                out.append(s[pos:a])
+                out.append(f"{open_}{len(found)}{close}")
+                found.append(s[a:b])
+                pos = b
+            out.append(s[pos:])
+            return "".join(out)
+
+        used = set(text) | set(self.source)
+        open_, close = next(((o, c) for o, c in _MARKS if o not in used and c not in used), _MARKS[0])
+        marked = _map_strings(validate_messages(messages), mark)
+        if not found:
+            return text, []
+        again = self.render(marked, add_generation_prompt, **variables)
+        out, spans, pos, size = [], [], 0, 0
+        for m in re.finditer(f"{re.escape(open_)}([0-9]+){re.escape(close)}", again):
+            piece = again[pos : m.start()]
+            out.append(piece)
+            size += len(piece)
+            k = int(m.group(1))
+            token = found[k] if k < len(found) else m.group(0)
+            spans.append((size, size + len(token)))
+            out.append(token)
+            size += len(token)
+            pos = m.end()
+        out.append(again[pos:])
+        if "".join(out) != text:
+            raise ChatTemplateError(
+                "a message holds control-token text and this chat template transforms message content in a way "
+                "that hides where that text ends up, so it cannot be kept as plain text",
+                hint="remove the control tokens from the messages, or pass special_in_content=True "
+                "(--special-in-content) if they are meant as control tokens",
+            )
+        return text, spans
 
     def __repr__(self) -> str:
         kind = "default ChatML" if self.is_default else f"{len(self.source)} chars"

@@ -21,6 +21,13 @@ Semantics (each mirrors llama.cpp):
   out as U+FFFD; ``decode_bytes`` returns the raw bytes.
 - ``token_to_piece(id, special=True)`` = ``llama_token_to_piece(id, lstrip=0,
   special)``: the token's bytes, which may be part of a UTF-8 sequence.
+- ``special_spans(text)``: where ``encode(text, special=True)`` matches control
+  tokens; ``encode_protected(text, plain_spans)``: ``encode`` with the control
+  tokens overlapping ``plain_spans`` left as text (the chat injection rule of
+  ``toy.tokenizer.chat``). It cuts at the other control tokens and encodes the
+  pieces as plain text, which are the fragments ``encode`` itself tokenizes
+  one at a time (a space prefix goes on every fragment, as in llama.cpp), so
+  without spans to protect the ids are ``encode``'s.
 - ``IncrementalDecoder``: feed ids one at a time, get text that never splits a
   UTF-8 sequence; the concatenation of all chunks plus ``flush()`` equals
   ``decode`` for tokenizers without ``clean_spaces`` (llama.cpp streams raw
@@ -58,6 +65,8 @@ class Tokenizer:
         self._hf_plain: HFTokenizer | None = None
         self._lock = threading.Lock()
         self._pieces, self._pieces_plain = build_pieces(vocab)
+        mask = ATTR_CONTROL | ATTR_UNKNOWN
+        self._control = frozenset(i for i, a in enumerate(vocab.attrs) if a & mask)  # the special added tokens
 
     @classmethod
     def from_gguf(cls, metadata: Mapping[str, Any]) -> Tokenizer:
@@ -155,6 +164,56 @@ class Tokenizer:
         except Exception as e:  # e.g. a lone surrogate cannot cross into Rust
             raise TokenizerError(f"cannot tokenize the text: {e}") from e
         return self._wrap(ids, add_special)
+
+    def special_spans(self, text: str) -> list[tuple[int, int]]:
+        """Character spans ``(start, end)`` of ``text`` that ``encode(text, special=True)`` reads as control
+        (or unknown) tokens, in order: exactly the tokenizer's own matches."""
+        return [(a, b) for a, b, _ in self._special_matches(text)]
+
+    def _special_matches(self, text: str) -> list[tuple[int, int, int]]:
+        if not isinstance(text, str):
+            raise TokenizerError(f"expected a str, not {type(text).__name__}")
+        if not text or not self._control:
+            return []
+        try:
+            enc = self._hf.encode(text, add_special_tokens=False)
+        except Exception as e:
+            raise TokenizerError(f"cannot tokenize the text: {e}") from e
+        return [(a, b, i) for i, (a, b) in zip(enc.ids, enc.offsets) if i in self._control]
+
+    def encode_protected(
+        self, text: str, plain: Sequence[tuple[int, int]], add_special: bool | None = None
+    ) -> list[int]:
+        """``encode(text, add_special, special=True)``, except that control-token text overlapping a span of
+        ``plain`` (character ranges, e.g. from ``ChatTemplate.render_protected``) stays plain text.
+
+        With no spans this is ``encode``. Otherwise the text is cut at the control tokens outside the spans
+        (the ones ``encode`` would match) and each piece between them is encoded as plain text: the same
+        fragments ``encode`` itself tokenizes one by one, so text without such control tokens gives the same
+        ids either way."""
+        if not plain:
+            return self.encode(text, add_special=add_special, special=True)
+        cuts = [m for m in self._special_matches(text) if not any(m[0] < e and s < m[1] for s, e in plain)]
+        return self._wrap(self._encode_cut(text, cuts), add_special)
+
+    def _encode_cut(self, text: str, cuts: Sequence[tuple[int, int, int]]) -> list[int]:
+        """Control tokens ``(start, end, id)`` at ``cuts`` (in order), the text between them encoded as plain."""
+        pieces, pos = [], 0
+        for a, b, _ in cuts:
+            pieces.append(text[pos:a])
+            pos = b
+        pieces.append(text[pos:])
+        try:
+            encs = _encode_many(self._encoder(False), pieces)
+        except Exception as e:
+            raise TokenizerError(f"cannot tokenize the text: {e}") from e
+        ids: list[int] = []
+        for k, enc in enumerate(encs):
+            if pieces[k]:
+                ids.extend(enc.ids)
+            if k < len(cuts):
+                ids.append(cuts[k][2])
+        return ids
 
     def encode_batch(
         self, texts: Sequence[str], add_special: bool | None = None, special: bool = True

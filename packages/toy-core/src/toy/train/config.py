@@ -67,6 +67,7 @@ class DataConfig:
     # fine-tuning recipes (JSONL examples, toy.train.instruct):
     max_length: int | None = None  # tokens per example (default and upper bound: context + 1)
     overflow: str = "truncate"  # what to do with a longer example: truncate | drop
+    special_in_content: bool = False  # parse control-token text inside "messages" as control tokens
 
 
 #: training recipes: from random weights, or from a GGUF base

@@ -18,9 +18,15 @@ data-formats.md has examples). The targets (tokens that carry loss) are:
   earlier turns, a token merging across the boundary) instead of a guess.
   Roles: system, user, assistant, and tool when the template renders it.
 
-Text is tokenized with ``special=True``, user content included, as the
-inference prompt path (``Model.prompt_ids``) does; BOS is added per the
-tokenizer unless the text starts with it. Over-length examples are truncated
+Text is tokenized with ``special=True`` (control tokens written in it are
+parsed), as the inference prompt path (``Model.prompt_ids``) does, with the
+same exception: in a ``messages`` example, control-token text inside the
+messages stays plain text, only the template's markup gives control tokens
+(``toy.tokenizer.chat``'s injection rule; ``special_in_content=True``,
+``data.special_in_content`` in a recipe, turns it off). ``text`` and
+``prompt``/``completion`` examples are the author's own raw text and keep
+their control tokens. BOS is added per the tokenizer unless the text starts
+with it. Over-length examples are truncated
 or dropped (``overflow``) and counted, never silently. ``InstructData`` packs
 whole examples greedily in file order (next fit) into rows of ``context``
 positions: n tokens take n-1 positions, positions restart at 0, ``doc`` is the
@@ -86,17 +92,20 @@ def _str(v: Any, what: str) -> str:
 class _Encoder:
     """One line -> an ``Example``, with a tokenizer and a chat template."""
 
-    def __init__(self, tokenizer: Any, template: Any):
-        self.tok, self.template = tokenizer, template
+    def __init__(self, tokenizer: Any, template: Any, special_in_content: bool = False):
+        self.tok, self.template, self.special_in_content = tokenizer, template, special_in_content
         try:  # "tool" is a role when the template renders a tool message at all
             out = template.render([{"role": "user", "content": "q"}, {"role": "tool", "content": _PROBE}])
         except Exception:
             out = ""
         self.roles = ROLES + (("tool",) if _PROBE in out else ())
 
-    def ids(self, text: str, bos: bool = True) -> list[int]:
+    def ids(self, text: str, bos: bool = True, plain: list | None = None) -> list[int]:
         try:
-            ids = self.tok.encode(text, add_special=False, special=True)
+            if plain:  # spans of message text holding control-token text: kept as text
+                ids = self.tok.encode_protected(text, plain, add_special=False)
+            else:
+                ids = self.tok.encode(text, add_special=False, special=True)
         except Exception as e:  # TokenizerError, or a lone surrogate
             raise _Bad(f"cannot tokenize: {e}") from None
         b = self.tok.bos_id
@@ -109,9 +118,12 @@ class _Encoder:
             raise _Bad("the tokenizer has no EOS token to end the example with")
         return self.tok.eos_id
 
-    def render(self, messages: list, gen: bool) -> str:
+    def render(self, messages: list, gen: bool) -> tuple[str, list]:
+        """The rendering and the spans of it to keep as plain text (none with ``special_in_content``)."""
         try:
-            return self.template.render(messages, add_generation_prompt=gen)
+            if self.special_in_content:
+                return self.template.render(messages, add_generation_prompt=gen), []
+            return self.template.render_protected(messages, self.tok.special_spans, add_generation_prompt=gen)
         except Exception as e:  # ChatTemplateError
             raise _Bad(f"chat template: {e}") from None
 
@@ -173,8 +185,8 @@ class _Encoder:
         return msgs
 
     def conversation(self, msgs: list[dict]) -> tuple[list[int], list[bool]]:
-        full = self.render(msgs, False)
-        ids = self.ids(full)
+        full, plain = self.render(msgs, False)
+        ids = self.ids(full, plain=plain)
         loss, eog = [False] * len(ids), self.tok.eog_ids
         for i, m in enumerate(msgs):
             if m["role"] == "assistant":
@@ -187,8 +199,8 @@ class _Encoder:
 
     def prefix(self, full: str, ids: list[int], msgs: list[dict], gen: bool, i: int) -> int:
         """The number of tokens of ``render(msgs, gen)``, checked to be a prefix."""
-        text = self.render(msgs, gen)
-        p = self.ids(text) if full.startswith(text) else None
+        text, plain = self.render(msgs, gen)
+        p = self.ids(text, plain=plain) if full.startswith(text) else None
         if p is None or ids[: len(p)] != p:
             how = "text" if p is None else "token ids"
             raise _Bad(
@@ -249,7 +261,13 @@ class Stats(_Counts):
 
 
 def load_examples(
-    paths: Paths, tokenizer: Any, template: Any, *, max_length: int, overflow: str = "truncate"
+    paths: Paths,
+    tokenizer: Any,
+    template: Any,
+    *,
+    max_length: int,
+    overflow: str = "truncate",
+    special_in_content: bool = False,
 ) -> tuple[list[Example], Stats]:
     """Every example of the JSONL files (a folder: its ``*.jsonl``, sorted), in
     order; the first bad line raises ``DataError`` (``path:line: reason``)."""
@@ -257,7 +275,7 @@ def load_examples(
         raise DataError(f'overflow must be "truncate" or "drop" (got {overflow!r})')
     if max_length < 2:
         raise DataError(f"max_length must be at least 2 (got {max_length})")
-    enc, stats, out, kinds, lengths = _Encoder(tokenizer, template), Stats(), [], Counter(), []
+    enc, stats, out, kinds, lengths = _Encoder(tokenizer, template, special_in_content), Stats(), [], Counter(), []
     given = [Path(paths)] if isinstance(paths, (str, os.PathLike)) else [Path(p) for p in paths]
     for path in (f for p in given for f in (sorted(p.rglob("*.jsonl")) if p.is_dir() else [p])):
         for line, ex in _read(path, enc):
@@ -354,7 +372,9 @@ class InstructData:
 @dataclass
 class CheckReport(_Counts):
     """``check_file``'s findings over every valid example. A sample is a dict:
-    line, kind, n_tokens, n_loss, segments ((text, is a target) runs)."""
+    line, kind, n_tokens, n_loss, segments ((text, is a target) runs of the
+    first ``shown_tokens`` tokens). A problem's line is 1-based; 0 means the
+    whole file."""
 
     path: str = ""
     max_length: int = 0
@@ -379,11 +399,26 @@ def segments(tokenizer: Any, tokens: Iterable[int], loss: Iterable[bool]) -> lis
     return [("".join(t for t, _ in run), flag) for flag, run in runs]
 
 
+#: ``check_file`` shows at most this many tokens of an example (a 20 MB line is not printed whole).
+SHOW_TOKENS = 512
+
+
 def check_file(
-    path: str | os.PathLike, tokenizer: Any, template: Any, *, max_length: int, show: int = 3
+    path: str | os.PathLike,
+    tokenizer: Any,
+    template: Any,
+    *,
+    max_length: int,
+    show: int = 3,
+    special_in_content: bool = False,
 ) -> CheckReport:
-    """Read every line of ``path``, collecting problems instead of stopping."""
-    enc, report = _Encoder(tokenizer, template), CheckReport(path=str(path), max_length=int(max_length))
+    """Read every line of ``path``, collecting problems instead of stopping.
+
+    A sample shows the first ``SHOW_TOKENS`` tokens of its example (``shown_tokens`` says how many; the
+    rest is counted, not decoded). A file without a single example (empty, or blank lines only) is a
+    problem (line 0: the whole file), since training refuses it."""
+    enc = _Encoder(tokenizer, template, special_in_content)
+    report = CheckReport(path=str(path), max_length=int(max_length))
     examples, kinds = [], Counter()
     for line, ex in _read(Path(path), enc):
         if isinstance(ex, str):
@@ -393,8 +428,11 @@ def check_file(
         kinds[ex.kind] += 1
         report.over_length += len(ex.tokens) > max_length
         if len(report.samples) < show:
-            segs, n = segments(tokenizer, ex.tokens, ex.loss), len(ex.tokens)
+            n, k = len(ex.tokens), min(len(ex.tokens), SHOW_TOKENS)
+            segs = segments(tokenizer, ex.tokens[:k], ex.loss[:k])
             report.samples.append({"line": line, "kind": ex.kind, "n_tokens": n, "n_loss": int(ex.loss.sum())})
-            report.samples[-1]["segments"] = segs
+            report.samples[-1].update(segments=segs, shown_tokens=k)
+    if not examples and not report.problems:
+        report.problems.append((0, "the file holds no example (it is empty or has only blank lines)"))
     report._count(examples, kinds, [len(e.tokens) for e in examples])
     return report

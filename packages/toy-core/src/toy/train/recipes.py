@@ -89,7 +89,12 @@ def _instruct_data(cfg: TrainConfig, tokenizer, template) -> tuple[Any, dict[str
         raise BadInputError("no training data: give JSONL files (data.paths)")
     max_length = cfg.data.max_length or cfg.context + 1
     examples, stats = load_examples(
-        cfg.data.paths, tokenizer, template, max_length=max_length, overflow=cfg.data.overflow
+        cfg.data.paths,
+        tokenizer,
+        template,
+        max_length=max_length,
+        overflow=cfg.data.overflow,
+        special_in_content=cfg.data.special_in_content,
     )
     if not examples:
         raise BadInputError("no usable example in the training data")
