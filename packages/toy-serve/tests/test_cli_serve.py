@@ -7,6 +7,13 @@ is 0") and app.py's (each model request logs one ``request`` event in the
 run bundle). The stream in flight when SIGTERM arrives must finish normally:
 its tokens all arrive, the last chunk has a finish_reason and ``data:
 [DONE]`` ends it.
+
+When the drain timeout runs out, or a second SIGTERM/Ctrl-C ends the wait
+(``toy_serve.conn``'s shutdown sequence and docs/guide/serving.md,
+"Shutdown"), what still runs is ended by the server: a stream with an
+``{"error": ...}`` chunk ("the server is shutting down"), ``data: [DONE]``
+and a properly terminated body, a non-stream request with 503; run_end's
+``abandoned`` counts those sequences and the log holds no traceback.
 """
 
 from __future__ import annotations
@@ -39,9 +46,9 @@ class Served:
     """``toy serve`` on a free port (``--port 0``; the port is read from uvicorn's log on stderr); both
     output streams are drained by threads into ``out`` and ``err``."""
 
-    def __init__(self, model: Path, runs: Path, *extra: str):
+    def __init__(self, model: Path, runs: Path, *extra: str, drain: float = DRAIN_S):
         cmd = [_toy(), "serve", str(model), "--port", "0", "--threads", "1", "--ctx", "512"]
-        cmd += ["--runs-dir", str(runs), "--drain-timeout", str(DRAIN_S), *extra]
+        cmd += ["--runs-dir", str(runs), "--drain-timeout", str(drain), *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.out: list[str] = []
         self.err: list[str] = []
@@ -184,3 +191,107 @@ def test_bad_limit_flags_exit_2(smollm2_path, tmp_path):
         )
         assert p.returncode == 2, (flag, p.stderr)
         assert p.stderr.startswith("error: ") and flag.lstrip("-").replace("-", "_") in p.stderr, p.stderr
+
+
+LONG = 440  # tokens: far longer than the drain (SmolLM2 on one thread)
+
+
+def _long(stream: bool) -> dict:
+    body = {"prompt": "Once upon a time", "max_tokens": LONG, "temperature": 0, "stream": stream}
+    return {**body, "ignore_eos": True}
+
+
+def _lines(lines, into: list[str], n: int | None = None) -> None:
+    """Non-empty SSE lines from ``lines`` into ``into``: ``n`` of them, or all until the body ends."""
+    for line in lines:
+        if line:
+            into.append(line)
+            if n is not None and len(into) >= n:
+                return
+
+
+def _bundle(runs: Path) -> list[dict]:
+    (bundle,) = runs.glob("serve-*")
+    return [json.loads(x) for x in (bundle / "events.jsonl").read_text().splitlines()]
+
+
+def _ended_by_shutdown(events: list[str]) -> None:
+    assert events[-1] == "data: [DONE]", events[-3:]
+    last = json.loads(events[-2][len("data: ") :])
+    assert set(last) == {"error"}, last
+    assert last["error"]["message"] == "the server is shutting down" and last["error"]["type"] == "server_error"
+    assert all("error" not in json.loads(e[len("data: ") :]) for e in events[:-2])
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
+def test_the_drain_timeout_ends_requests_with_an_error(smollm2_path, tmp_path):
+    runs = tmp_path / "runs"
+    served = Served(smollm2_path, runs, drain=1)
+    plain: dict = {}
+    try:
+        url = served.wait_ready()
+
+        def non_stream() -> None:
+            plain["r"] = httpx.post(url + "/v1/completions", json=_long(False), timeout=60)
+
+        events: list[str] = []
+        with httpx.Client(base_url=url, timeout=60) as h, h.stream("POST", "/v1/completions", json=_long(True)) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            _lines(lines, events, 3)
+            t = threading.Thread(target=non_stream)
+            t.start()
+            time.sleep(0.5)  # the second request is in the engine
+            served.proc.send_signal(signal.SIGTERM)
+            t_term = time.monotonic()
+            _lines(lines, events)  # a chunked body cut short would raise httpx.RemoteProtocolError here
+        t.join(30)
+        rc = served.proc.wait(timeout=30)
+        elapsed = time.monotonic() - t_term
+    finally:
+        served.close()
+    err = "".join(served.err)
+    assert rc == 0, err
+    assert elapsed < 1 + 8, elapsed
+    assert len(events) < LONG  # cut short, by the server
+    _ended_by_shutdown(events)
+    r = plain["r"]
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    assert r.json()["error"]["message"] == "the server is shutting down"
+    assert "Traceback" not in err and "CancelledError" not in err, err
+
+    recs = _bundle(runs)
+    assert recs[-1]["kind"] == "run_end" and recs[-1]["reason"] == "completed"
+    assert recs[-1]["abandoned"] == 2 and recs[-1]["requests"] == 2, recs[-1]
+    reqs = sorted((x["status"], x["finish_reason"]) for x in recs if x["kind"] == "request")
+    assert reqs == [(200, "error"), (503, "error")], reqs
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT")
+def test_a_second_ctrl_c_ends_the_drain_at_once(smollm2_path, tmp_path):
+    runs = tmp_path / "runs"
+    served = Served(smollm2_path, runs, drain=60)
+    try:
+        url = served.wait_ready()
+        events: list[str] = []
+        with httpx.Client(base_url=url, timeout=60) as h, h.stream("POST", "/v1/completions", json=_long(True)) as r:
+            lines = r.iter_lines()
+            _lines(lines, events, 3)
+            served.proc.send_signal(signal.SIGINT)
+            _lines(lines, events, 8)  # draining: the stream goes on
+            served.proc.send_signal(signal.SIGINT)
+            t_again = time.monotonic()
+            _lines(lines, events)
+        rc = served.proc.wait(timeout=30)
+        elapsed = time.monotonic() - t_again
+    finally:
+        served.close()
+    err = "".join(served.err)
+    assert rc == 0, err
+    assert elapsed < 8, elapsed
+    assert 8 < len(events) < LONG
+    _ended_by_shutdown(events)
+    assert "Traceback" not in err and "CancelledError" not in err, err
+    recs = _bundle(runs)
+    assert recs[-1]["kind"] == "run_end" and recs[-1]["abandoned"] == 1, recs[-1]
+    assert [(x["status"], x["finish_reason"]) for x in recs if x["kind"] == "request"] == [(200, "error")]

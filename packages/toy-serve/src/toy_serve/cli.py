@@ -7,26 +7,42 @@ inside the command, so ``toy --help`` stays fast.
 
 Behaviour:
 
+- Start-up checks everything it can before loading: the options, the runs
+  dir (a regular file there, or a path that cannot be created, is an
+  ``error:`` naming it), the model file's header and config (a malformed
+  file exits 2, as in ``toy infer``), ``--ctx`` against the model's context
+  and each ``--lora`` adapter. Then it binds the port itself
+  (``toy_serve.conn.bind``): a port in use or a host that does not resolve
+  is ``error: cannot bind HOST:PORT: ...`` (exit 2) before the model loads.
+  A server that never served leaves no run bundle: the bundle is made once
+  the model is loaded and the engine runs.
 - Binds 127.0.0.1:8000 by default; the URL goes to stderr (uvicorn's logs
   too), stdout stays empty.
 - The model loads in the background once the port is bound: /health
   answers 503 {"status": "loading"} until it is ready. A registry name that
   is not downloaded yet (smollm2-135m) is fetched first, with progress;
   a path that does not exist fails before the port is bound (exit 2).
-- SIGTERM or Ctrl-C: uvicorn stops accepting connections and waits up to
-  ``--drain-timeout`` seconds for in-flight requests, then the app's
-  shutdown drains the engine and writes run_end; the exit code is 0. A
-  second Ctrl-C forces the exit.
+- Connections are guarded by ``--header-timeout`` (10 s), ``--body-timeout``
+  (30 s) and ``--max-connections`` (from the descriptor limit, at most
+  1000); accept errors are logged once every 5 s (``toy_serve.conn``).
+- SIGTERM or Ctrl-C: the server stops accepting connections, waits up to
+  ``--drain-timeout`` seconds for the requests in flight, then ends what is
+  left with "the server is shutting down" (a stream's last chunk is that
+  error, then ``data: [DONE]``; a non-stream request gets 503), writes
+  run_end with the ``abandoned`` count and exits 0. A second SIGTERM or
+  Ctrl-C ends the wait at once, the same way (``toy_serve.conn.ToyUvicorn``).
 - Errors follow toy's CLI conventions: bad input (both --api-key and
   --api-key-file, an unreadable or empty key file, an out-of-range option,
-  a missing model, a ``--lora`` adapter that is missing, has a bad scale or
-  does not fit the model) exits 2 with an ``error:`` line; a model that
-  fails to load exits 1 (2 for bad input).
+  a missing or malformed model, a ``--lora`` adapter that is missing, has a
+  bad scale or does not fit the model, a port that cannot be bound) exits 2
+  with an ``error:`` line; a model that fails to load later exits 1, or 2
+  for bad input, classified as ``toy infer`` classifies it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -57,17 +73,6 @@ def _read_key(api_key: str | None, api_key_file: Path | None) -> str | None:
     if not key:
         raise _cli_error(f"{api_key_file} is empty", "--api-key-file names a file holding the key")
     return key
-
-
-def _check_adapters(model_path, adapters) -> None:
-    """Each adapter read and checked against the model (AdapterError), before the port is bound."""
-    from toy.engine.generate import check_lora
-    from toy.gguf import GGUFFile
-    from toy.train.adapter import load_adapter
-
-    with GGUFFile(model_path) as gf:
-        for path, _ in adapters:
-            check_lora(load_adapter(path), gf)
 
 
 class _Quiet:
@@ -143,6 +148,19 @@ def serve(
     drain_timeout: Annotated[
         float, typer.Option("--drain-timeout", help="Seconds shutdown waits for in-flight requests.")
     ] = 30.0,
+    header_timeout: Annotated[
+        float, typer.Option("--header-timeout", help="Seconds a request's headers may take (else 408, closed).")
+    ] = 10.0,
+    body_timeout: Annotated[
+        float,
+        typer.Option("--body-timeout", help="Seconds a request's body may take after its headers (else 408)."),
+    ] = 30.0,
+    max_connections: Annotated[
+        int | None,
+        typer.Option(
+            "--max-connections", help="Open connections at most; 503 beyond (default: from the descriptor limit)."
+        ),
+    ] = None,
     log_level: Annotated[
         str, typer.Option("--log-level", help="uvicorn and server log level: debug, info, warning, error.")
     ] = "info",
@@ -171,21 +189,38 @@ def serve(
             device=device,
             threads=threads,
             drain_timeout=drain_timeout,
+            header_timeout=header_timeout,
+            body_timeout=body_timeout,
+            max_connections=max_connections,
             runs_dir=runs_dir,
             model_alias=alias,
             lora=tuple(adapters),
         )
         from toy import store
 
+        _check_runs_dir(settings.runs_dir)
         _fetch_if_missing(model)
         path = store.resolve_model(model)  # a missing file or unknown name fails now, before the port is bound
-        if adapters:
-            _check_adapters(path, adapters)
+        _check_model(path, settings.ctx, adapters)
+        from toy_serve.conn import bind
+
+        sock = bind(settings.host, settings.port)  # before the model loads: a port in use fails at once
+    try:
+        _run(settings, sock, log_level.lower())
+    finally:
+        sock.close()
+
+
+def _run(settings, sock, level: str) -> None:
+    """Serve on the bound ``sock`` until a signal (or a model that fails to load: its CLI error)."""
+    import copy
+
     import uvicorn
+    from uvicorn.config import LOGGING_CONFIG
 
     from toy_serve.app import create_app
+    from toy_serve.conn import ToyUvicorn, protocol_class
 
-    level = log_level.lower()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
     logger = logging.getLogger("toy_serve")
@@ -193,24 +228,21 @@ def serve(
     logger.setLevel(logging.DEBUG if level == "trace" else level.upper())
 
     app = create_app(settings)
-    import copy
-
-    from uvicorn.config import LOGGING_CONFIG
-
     log_config = copy.deepcopy(LOGGING_CONFIG)  # uvicorn's own format, but the access log goes to stderr too
-    for handler in log_config.get("handlers", {}).values():
-        if handler.get("stream") == "ext://sys.stdout":
-            handler["stream"] = "ext://sys.stderr"
+    for h in log_config.get("handlers", {}).values():
+        if h.get("stream") == "ext://sys.stdout":
+            h["stream"] = "ext://sys.stderr"
+    port = sock.getsockname()[1]
     config = uvicorn.Config(
         app,
         host=settings.host,
-        port=settings.port,
+        port=port,
         log_level=level,
         log_config=log_config,
-        timeout_graceful_shutdown=settings.drain_timeout or 0.001,  # 0 would mean "wait forever" to uvicorn
+        http=protocol_class(settings),
         lifespan="on",
     )
-    server = uvicorn.Server(config)
+    server = ToyUvicorn(config, app.state.toy)
     fatal: list[BaseException] = []
 
     def on_fatal(exc: BaseException) -> None:
@@ -220,21 +252,74 @@ def serve(
     app.state.toy.on_fatal = on_fatal
     shown = f"[{settings.host}]" if ":" in settings.host else settings.host
     with_lora = "".join(f" + LoRA {Path(p).name}×{sc:g}" for p, sc in settings.lora)
-    typer.echo(
-        f"toy serve: {settings.alias}{with_lora} on http://{shown}:{settings.port}/v1 (loading the model…)", err=True
-    )
+    typer.echo(f"toy serve: {settings.alias}{with_lora} on http://{shown}:{port}/v1 (loading the model…)", err=True)
     try:
         with _Quiet():
-            server.run()
+            server.run(sockets=[sock])
     finally:
         logger.removeHandler(handler)
     if fatal:
-        from toy.errors import BadInputError
+        raise _load_error(fatal[0])
 
-        e = fatal[0]
-        raise _cli_error(
-            f"could not load the model: {e}", getattr(e, "hint", None), 2 if isinstance(e, BadInputError) else 1
-        )
+
+def _load_error(e: BaseException) -> Exception:
+    """The CLI error for a model that failed to load: exit 2 for bad input (a malformed GGUF, a value out
+    of range), 1 for other failures, classified as ``toy infer`` does (``toy_cli``'s ``_errors``)."""
+    from toy_cli.commands.models import _errors
+    from toy_cli.main import CLIError
+
+    code, hint = 1, getattr(e, "hint", None)
+    try:
+        with _errors():
+            raise e
+    except CLIError as ce:
+        code, hint = ce.code, ce.hint
+    except BaseException:  # noqa: BLE001 - not a toy error: a failure (exit 1)
+        pass
+    return _cli_error(f"could not load the model: {e}", hint, code)
+
+
+def _check_runs_dir(runs_dir: str | None) -> None:
+    """The runs dir must be a folder, or creatable: checked before anything is loaded or bound."""
+    from toy.errors import BadInputError
+    from toy.runs.writer import runs_dir as resolve
+
+    root = resolve(runs_dir)
+    hint = "--runs-dir (or $TOY_RUNS_DIR) names a folder for the run bundle; it is created when missing"
+    p = root
+    while not p.exists() and p != p.parent:  # the nearest part of the path that exists
+        p = p.parent
+    if p.exists() and not p.is_dir():
+        what = "is not a folder" if p == root else f"cannot be created: {p} is not a folder"
+        raise BadInputError(f"runs dir {root} {what}", hint=hint)
+    if p.exists() and not os.access(p, os.W_OK | os.X_OK):
+        raise BadInputError(f"runs dir {root}: {p} is not writable", hint=hint)
+
+
+def _check_model(path, ctx: int | None, adapters) -> None:
+    """What ``toy.load`` checks before the weights (the header, the config, the tokenizer and chat
+    template: a file toy cannot run exits 2, as in ``toy infer``), ``--ctx`` against the model's context
+    and each adapter against the model, before the port is bound. Costs ~0.6 s for SmolLM2's tokenizer."""
+    from toy import models
+    from toy.engine.generate import DEFAULT_MAX_CTX, check_lora
+    from toy.errors import BadInputError
+    from toy.gguf import GGUFFile
+    from toy.tokenizer import ChatTemplate, Tokenizer
+
+    with GGUFFile(path) as gf:
+        cfg = models.config_from_gguf(gf)
+        Tokenizer.from_gguf(gf.metadata)
+        ChatTemplate.from_gguf(gf.metadata)
+        limit = cfg.context_length or DEFAULT_MAX_CTX
+        if ctx is not None and ctx > limit:
+            raise BadInputError(
+                f"--ctx {ctx} is more than the model's context length {limit}", hint=f"use --ctx {limit} or less"
+            )
+        if adapters:
+            from toy.train.adapter import load_adapter
+
+            for p, _ in adapters:
+                check_lora(load_adapter(p), gf)
 
 
 __all__ = ["serve"]

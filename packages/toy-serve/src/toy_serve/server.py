@@ -43,6 +43,7 @@ class Server:
         self.names = settings.model_names()
         self.on_fatal: Any = None  # set by the CLI: called with the exception when loading fails
         self.n_requests = 0
+        self.abandoned: int | None = None  # sequences ended by the shutdown (set once by abandon)
 
     def _load(self) -> Any:
         import toy
@@ -84,6 +85,8 @@ class Server:
         try:
             if self.model is None:
                 self.model = await asyncio.to_thread(self._load)
+            if self.status == "stopping":  # stopped while loading: it never served, so it leaves no run bundle
+                return
             self._begin()
         except Exception as e:  # noqa: BLE001 - reported on /health and to the CLI
             self.status, self.error = "error", f"{type(e).__name__}: {e}"
@@ -91,18 +94,24 @@ class Server:
             if self.on_fatal:
                 self.on_fatal(e)
 
+    async def abandon(self) -> int:
+        """Stop the worker: every sequence still queued or running ends with the error event "the server
+        is shutting down" (a stream's error chunk, a 503). Returns how many; later calls return the same."""
+        if self.abandoned is None and self.worker is not None:
+            self.abandoned = self.worker.busy()
+            await asyncio.to_thread(self.worker.stop)
+        return self.abandoned or 0
+
     async def stop(self, loading: asyncio.Task | None) -> None:
         self.status = "stopping"
         if loading is not None:
             await loading  # a model being loaded is waited for (a thread cannot be cancelled), then closed
             self.status = "stopping"
-        left = 0
-        if self.worker is not None:
+        if self.worker is not None and self.abandoned is None:  # not drained yet (toy serve's ToyUvicorn does)
             deadline = time.monotonic() + self.settings.drain_timeout
             while self.worker.busy() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            left = self.worker.busy()
-            await asyncio.to_thread(self.worker.stop)
+        left = await self.abandon()
         if self.writer is not None:
             self.writer.end("completed", requests=self.n_requests, abandoned=left)
         if self.owns_model and self.model is not None:

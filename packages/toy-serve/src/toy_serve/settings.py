@@ -31,6 +31,12 @@ Decisions:
   pairs, so a bad scale is refused here. Whether the file exists and fits
   the model is checked when the model loads (``toy serve`` checks it before
   binding the port). ``config()`` writes them as ``{"path", "scale"}``.
+- Connections (``toy_serve.conn``): request headers must arrive within
+  ``header_timeout`` seconds (10) and a body within ``body_timeout`` (30)
+  of its headers, else 408 and the connection closes; at most
+  ``max_connections`` are open at once (503 beyond). None means the
+  descriptor limit minus a reserve, at most 1000 (``connection_limit``
+  says what it is); ``config()`` records the value given.
 """
 
 from __future__ import annotations
@@ -46,6 +52,21 @@ from toy.errors import BadInputError
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 MAX_PARALLEL = 256
+MIN_TIMEOUT = 0.1  # header and body timeouts below this would cut off any real client
+
+
+def default_max_connections() -> int:
+    """The connection cap when none is set: below the descriptor limit (a quarter of it, at least 64,
+    stays for the model, logs, the run bundle and refused connections), at most 1000."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return 1000
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return 1000
+    return max(8, min(1000, soft - max(64, soft // 4)))
 
 
 def _int(name: str, value: Any, lo: int | None = None, hi: int | None = None, optional: bool = False) -> None:
@@ -57,6 +78,11 @@ def _int(name: str, value: Any, lo: int | None = None, hi: int | None = None, op
         raise BadInputError(f"{name}={value} must be >= {lo}")
     if hi is not None and value > hi:
         raise BadInputError(f"{name}={value} must be <= {hi}")
+
+
+def _seconds(name: str, value: Any, lo: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < lo:
+        raise BadInputError(f"{name}={value!r} must be a number of seconds >= {lo:g}")
 
 
 def _str(name: str, value: Any, optional: bool = False) -> None:
@@ -109,6 +135,9 @@ class Settings:
     runs_dir: str | None = None  # run bundles go to <runs_dir>/serve-...; None = $TOY_RUNS_DIR or ./runs
     model_alias: str | None = None  # the id in /v1/models; None = the file stem
     lora: tuple[tuple[str, float], ...] = ()  # LoRA adapters (path, scale); "PATH[:SCALE]" strings are parsed
+    header_timeout: float = 10.0  # seconds for a request's headers to arrive (else 408, the connection closes)
+    body_timeout: float = 30.0  # seconds for a request's body to arrive after its headers (else 408)
+    max_connections: int | None = None  # open connections at most (503 beyond); None = from the descriptor limit
 
     def __post_init__(self) -> None:
         if isinstance(self.model, Path):
@@ -129,9 +158,10 @@ class Settings:
         _int("prefill_chunk", self.prefill_chunk, 1)
         _int("max_body_bytes", self.max_body_bytes, 1024)
         _int("max_batch", self.max_batch, 1)
-        dt = self.drain_timeout
-        if isinstance(dt, bool) or not isinstance(dt, (int, float)) or not math.isfinite(dt) or dt < 0:
-            raise BadInputError(f"drain_timeout={dt!r} must be a number of seconds >= 0")
+        _seconds("drain_timeout", self.drain_timeout, 0)
+        _seconds("header_timeout", self.header_timeout, MIN_TIMEOUT)
+        _seconds("body_timeout", self.body_timeout, MIN_TIMEOUT)
+        _int("max_connections", self.max_connections, 1, 1_000_000, optional=True)
         _str("runs_dir", self.runs_dir, optional=True)
         _str("model_alias", self.model_alias, optional=True)
 
@@ -144,6 +174,13 @@ class Settings:
         """Names a request's ``model`` may use: the alias, the path as given, the file name and its stem."""
         p = Path(self.model)
         return frozenset({self.alias, self.model, p.name, p.stem})
+
+    @property
+    def connection_limit(self) -> int:
+        """The most connections open at once: ``max_connections``, else derived from the descriptor limit."""
+        if self.max_connections is not None:
+            return self.max_connections
+        return default_max_connections()
 
     @property
     def jobs_per_request(self) -> int:
@@ -159,4 +196,4 @@ class Settings:
         return d
 
 
-__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "Settings"]
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "Settings", "default_max_connections"]
