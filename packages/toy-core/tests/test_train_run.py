@@ -18,7 +18,7 @@ import pytest
 from toy.train import checkpoint
 from toy.train import config as C
 from toy.train.corpus import write_python_docs
-from toy.train.loop import Hooks, resume, train
+from toy.train.loop import Hooks, TrainingIOError, resume, train
 
 SMALL = {
     "model.preset": None,
@@ -295,7 +295,8 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(corpus, tmp_path, monk
         return real(self)
 
     monkeypatch.setattr(GGUFWriter, "write", flaky)
-    with pytest.raises(OSError, match="disk full"):
+    # the OSError is reported with the file and the checkpoint left to resume from
+    with pytest.raises(TrainingIOError, match=r"step_8 .*disk full \(simulated\); the last good checkpoint is step_4"):
         train(make_cfg(corpus, tmp_path, steps=8, save_every=4, eval_every=0, sample_tokens=0))
     monkeypatch.setattr(GGUFWriter, "write", real)
     (run_dir,) = (tmp_path / "runs").iterdir()

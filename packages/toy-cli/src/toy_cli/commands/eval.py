@@ -6,7 +6,10 @@ shows progress on stderr (a bar on a terminal, a line every few windows
 otherwise) and records an ``eval`` run bundle under ``--runs-dir``
 (default ``$TOY_RUNS_DIR`` or ``./runs``), whose id goes to stderr and into
 the JSON. Ctrl-C stops at the next window: the run ends "interrupted" and
-the command exits 130.
+the command exits 130. The runs folder is checked first (it must be a
+folder toy can write into: ``toy.runs.folder.check_output_dir``), so a
+``--runs-dir`` that is a file or read-only fails at once with exit 2, before
+a model is loaded.
 """
 
 from __future__ import annotations
@@ -67,6 +70,14 @@ class _WindowProgress:
         self.bar.close()
 
 
+def _check_runs_dir(runs_dir: Path | None) -> None:
+    """The runs folder takes new files (else an error naming it, exit 2)."""
+    from toy.runs import runs_dir as resolve
+    from toy.runs.folder import check_output_dir
+
+    check_output_dir(resolve(runs_dir), "--runs-dir" if runs_dir is not None else "runs folder")
+
+
 def _load(model: str, n_ctx: int | None, batch: int, device, threads):
     import toy
 
@@ -98,6 +109,7 @@ def logprobs_cmd(
     if (text is None) == (file is None):
         raise _cli_error("give the text to score or --file, not both", "toy eval logprobs MODEL 'some text'", 2)
     with _errors():
+        _check_runs_dir(runs_dir)
         body = E.read_eval_text(file) if file is not None else (sys.stdin.read() if text == "-" else text)
         with _load(model, None, 512, device, threads) as m:
             cfg = {"model": str(m.path), "file": str(file) if file else None, "top": top}
@@ -144,6 +156,7 @@ def perplexity_cmd(
     bar = _WindowProgress("perplexity")
     t0 = time.monotonic()
     with _errors():
+        _check_runs_dir(runs_dir)
         text = E.read_eval_text(file)
         with _load(model, context, batch, device, threads) as m:
             ids = E.text_ids(m, text)
@@ -188,6 +201,7 @@ def compare_cmd(
     _check(context, batch)
     bar = _WindowProgress("compare")
     with _errors():
+        _check_runs_dir(runs_dir)
         text = E.read_eval_text(file)
         with _load(model_a, context, batch, device, threads) as a, _load(model_b, context, batch, device, threads) as b:
             ids = E.text_ids(a, text)
@@ -245,6 +259,7 @@ def lmc_cmd(
     bar = _WindowProgress("lmc")
     with _errors():
         points = E.parse_alphas(alphas)
+        _check_runs_dir(runs_dir)
         text = E.read_eval_text(file)
         cfg = {"model": str(ckpt_a), "model_b": str(ckpt_b), "file": str(file), "alphas": points,
                "context": context, "stride": stride, "max_chunks": max_chunks}  # fmt: skip

@@ -316,15 +316,25 @@ def quantize(
     except ValueError as e:
         raise _cli_error(str(e), "for example: --type Q8_0 (8-bit) or --type Q4_K (4-bit)", 2) from e
     with _errors():
+        from toy.runs.folder import OutputDirError, check_output_dir
         from toy.store import resolve_model
 
         path = resolve_model(src)
         if dst.is_dir():
             raise _cli_error(f"{dst}: is a folder", "OUT is the file to write, e.g. model.Q8_0.gguf", 2)
-        with _Progress() as bar:
-            report = quantize_model(
-                path, dst, target, progress=lambda i, n, name: bar.update(f"quantizing to {target.name}", i, n)
-            )
+        try:  # before the work; and the folder is named, not the hidden temporary files written in it
+            check_output_dir(dst.parent, "its folder")
+        except OutputDirError as e:
+            raise _cli_error(f"cannot write {dst}: {e}", e.hint, 2) from e
+        try:
+            with _Progress() as bar:
+                report = quantize_model(
+                    path, dst, target, progress=lambda i, n, name: bar.update(f"quantizing to {target.name}", i, n)
+                )
+        except OSError as e:
+            if e.filename and Path(e.filename).parent != dst.parent:  # not OUT or a temporary file beside it
+                raise _cli_error(f"{e.filename}: {e.strerror or e}", None, 1) from e
+            raise _cli_error(f"could not write {dst}: {e.strerror or e}; {dst.name} was not created", None, 1) from e
     if report.fallbacks:
         kinds = sorted(set(report.fallbacks.values()))
         typer.echo(

@@ -11,14 +11,40 @@ A checkpoint at optimizer step N is two files in ``<run>/checkpoints/``:
 - ``step_N.state.gguf``: what resuming needs beyond the weights: AdamW's
   moments (``adam_m.<name>``, ``adam_v.<name>``, F32) and, as JSON strings,
   the resolved config, the data cursor, the RNG state and counters
-  (``toy.state.*``).
+  (``toy.state.*``), and the checksums (``toy.state.checksums``, below).
 
 ``latest`` is a symbolic link to the newest ``step_N.gguf``. Writing order
 makes a crash harmless: both files are written to temporary names and renamed
-into place (``GGUFWriter``), then ``latest`` is re-pointed by renaming a new
+into place (``GGUFWriter``): the model first, then the state (which records
+the model file's checksum), then ``latest`` is re-pointed by renaming a new
 link over it. Until that rename, ``latest`` names the previous, complete
 checkpoint; a state file without its model (or the reverse) is ignored.
 Older checkpoints beyond ``keep`` are deleted after the new one is in place.
+A write that fails (a full disk) raises ``CheckpointWriteError`` naming the
+file; the half-made checkpoint is removed, so the previous one stays the
+newest complete one.
+
+Integrity. ``toy.state.checksums`` (a JSON string) holds CRC-32s
+(``zlib.crc32``): ``model``, of the whole model file's bytes (its metadata,
+tokenizer included, and its tensors); ``json``, of the ``toy.state.json``
+string; ``tensors``, of each optimizer tensor's bytes. ``load`` verifies
+them and raises ``DamagedCheckpointError`` naming the file (and the tensor)
+that does not match, or that cannot even be parsed. Only the state file gets
+the extra key, so model files are byte for byte what they were (pinned by
+fixtures). Checkpoints written before checksums existed load unverified
+(``Resumable.verified`` is False). ``load_resumable`` (what resuming uses)
+walks back from ``latest`` to the newest checkpoint that verifies and
+reports the damaged ones it skipped; ``set_aside`` renames a damaged
+checkpoint's files to ``*.damaged`` (kept for inspection, no longer seen as
+a checkpoint) and ``latest`` is re-pointed at the one resumed from.
+
+Orphans. ``GGUFWriter`` writes ``.step_N.gguf.<random>.tmp`` and
+``.step_N.state.gguf.<random>.tmp`` (``tempfile.mkstemp``), ``_relink``
+``.latest.<pid>.tmp``; a process killed mid-write (SIGKILL, power loss)
+leaves them behind. ``remove_orphans`` deletes every file of those names.
+It must only run while the run's lock (``toy.runs.folder.RunLock``) is held:
+then no other toy process is writing in the folder, so each such file is an
+orphan, whatever pid its name carries.
 """
 
 from __future__ import annotations
@@ -26,23 +52,46 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from toy.errors import BadInputError
+from toy.errors import BadInputError, ToyError
 from toy.gguf import GGUFFile, GGUFWriter
 from toy.gguf.constants import ValueType
 from toy.gguf.convert import QUANT_VERSION
-from toy.gguf.reader import TypeInfo
+from toy.gguf.reader import GGUFError, TypeInfo
 
 _STEP_RE = re.compile(r"^step_(\d+)\.gguf$")
+# the temporary names of GGUFWriter (mkstemp: prefix ".<name>.", suffix ".tmp") and _relink
+_ORPHAN_RE = re.compile(r"^\.(?:step_\d+(?:\.state)?\.gguf\.[A-Za-z0-9_]+|latest\.\d+)\.tmp$")
+CHECKSUMS_KEY = "toy.state.checksums"
 
 
 class CheckpointError(BadInputError):
     """A run folder or checkpoint cannot be resumed from; the message says why."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint file whose bytes do not match the checksums recorded
+    with it, or that cannot be parsed: ``path`` names the file."""
+
+    def __init__(self, message: str, path: Path, hint: str | None = None):
+        super().__init__(message, hint)
+        self.path = path
+
+
+class CheckpointWriteError(ToyError):
+    """A checkpoint file could not be written (a full disk, a read-only
+    folder): ``path`` names it, ``step`` its step. Not bad input: exit 1."""
+
+    def __init__(self, message: str, path: Path, step: int, hint: str | None = None):
+        super().__init__(message, hint)
+        self.path = path
+        self.step = step
 
 
 def model_metadata(cfg, name: str) -> dict[str, Any]:
@@ -71,6 +120,9 @@ class Resumable:
     optimizer: dict[str, np.ndarray]
     state: dict[str, Any]  # config, data cursor, rng, counters
     tokenizer_metadata: dict[str, Any]
+    verified: bool = False  # checksums recorded and matched (False: an older checkpoint without them)
+    # load_resumable: (step, error) of the newer checkpoints skipped as damaged, newest first
+    damaged: list[tuple[int, DamagedCheckpointError]] = field(default_factory=list)
 
 
 def _relink(link: Path, target_name: str) -> None:
@@ -94,6 +146,43 @@ def list_steps(folder: Path) -> list[int]:
     return sorted(out)
 
 
+def remove_orphans(folder: str | Path) -> list[Path]:
+    """Delete the temporary files killed writers left in ``folder`` (see the
+    module docstring; call it only with the run's lock held); returns them."""
+    folder = Path(folder)
+    gone = []
+    if folder.is_dir():
+        for p in sorted(folder.iterdir()):
+            if _ORPHAN_RE.match(p.name) and not p.is_dir():
+                try:
+                    p.unlink()
+                except FileNotFoundError:
+                    continue
+                gone.append(p)
+    return gone
+
+
+def _crc_file(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _crc_array(a: np.ndarray) -> int:
+    return zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"))
+
+
+def _write(writer_fn, path: Path, step: int) -> None:
+    try:
+        writer_fn()
+    except OSError as e:
+        raise CheckpointWriteError(
+            f"could not write checkpoint step_{step} ({path}): {e.strerror or e}", path, step
+        ) from e
+
+
 def save(
     folder: str | Path,
     *,
@@ -112,10 +201,13 @@ def save(
     values optionally ``(value, TypeInfo)`` pairs (kept exactly).
     ``write_model(path, params, step, run_id)`` (optional) writes the model
     file instead of the llama model below: a LoRA run writes its adapter, a
-    full fine-tune the base's metadata with the trained weights."""
+    full fine-tune the base's metadata with the trained weights. An OSError
+    while writing becomes ``CheckpointWriteError`` (nothing of this step
+    stays behind; ``latest`` still names the previous checkpoint)."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     model_path = folder / f"step_{step}.gguf"
+    state_path = folder / f"step_{step}.state.gguf"
+    _write(lambda: folder.mkdir(parents=True, exist_ok=True), model_path, step)
     w = None
     if write_model is None:
         w = GGUFWriter(model_path)
@@ -128,19 +220,32 @@ def save(
         w.add("toy.train.step", int(step))
         for name, a in params.items():
             w.add_tensor(name, np.ascontiguousarray(a, np.float32))
-    state_path = folder / f"step_{step}.state.gguf"
+    state_json = json.dumps(state, sort_keys=True)
     s = GGUFWriter(state_path)
     s.add("toy.state.step", int(step))
     s.add("toy.state.run_id", run_id)
-    s.add("toy.state.json", json.dumps(state, sort_keys=True))
+    s.add("toy.state.json", state_json)
+    tensor_crcs = {}
     for name, a in optimizer.items():
-        s.add_tensor(name, np.ascontiguousarray(a, np.float32))
-    s.write()  # the state first: a model file only ever appears with its state
-    if w is not None:
-        w.write()
-    else:
-        write_model(model_path, params, step, run_id)
-    _relink(folder / "latest", model_path.name)
+        a32 = np.ascontiguousarray(a, np.float32)
+        tensor_crcs[name] = _crc_array(a32)
+        s.add_tensor(name, a32)
+    try:
+        # the model first: the state records its checksum
+        _write(w.write if w is not None else (lambda: write_model(model_path, params, step, run_id)), model_path, step)
+        checksums = {"model": _crc_file(model_path), "json": zlib.crc32(state_json.encode()), "tensors": tensor_crcs}
+        s.add(CHECKSUMS_KEY, json.dumps(checksums, sort_keys=True))
+        _write(s.write, state_path, step)
+        _write(lambda: _relink(folder / "latest", model_path.name), folder / "latest", step)
+    except BaseException:
+        # a checkpoint that is not complete is removed, unless latest already names it
+        if latest_step(folder) != step:
+            for p in (model_path, state_path):
+                try:
+                    p.unlink()
+                except OSError:
+                    pass
+        raise
     if keep > 0:
         for old in list_steps(folder)[:-keep]:
             if old != step:
@@ -179,8 +284,17 @@ def tokenizer_metadata_of(gf: GGUFFile) -> dict[str, Any]:
     return {k: (_detach(v), gf.types[k]) for k, v in gf.metadata.items() if k.startswith("tokenizer.")}
 
 
-def load(folder: str | Path, step: int | None = None) -> Resumable:
-    """Read a checkpoint (default: the latest) back as float arrays."""
+def _damaged(path: Path, what: str) -> DamagedCheckpointError:
+    return DamagedCheckpointError(
+        f"checkpoint {path} is damaged: {what}",
+        path,
+        hint="the file changed after it was written (disk or copy error); resume from an earlier checkpoint",
+    )
+
+
+def load(folder: str | Path, step: int | None = None, *, verify: bool = True) -> Resumable:
+    """Read a checkpoint (default: the latest) back as float arrays; with
+    ``verify``, check its checksums (``DamagedCheckpointError``)."""
     folder = Path(folder)
     if step is None:
         step = latest_step(folder)
@@ -191,24 +305,104 @@ def load(folder: str | Path, step: int | None = None) -> Resumable:
     for p in (model_path, state_path):
         if not p.is_file():
             raise CheckpointError(f"{p}: missing")
-    with GGUFFile(model_path) as gf:
-        params = {n: np.array(gf.tensor_to_float(n), np.float32) for n in gf.tensors}
-        tok = tokenizer_metadata_of(gf)
-    with GGUFFile(state_path) as sf:
+    try:
+        sf = GGUFFile(state_path)
+    except GGUFError as e:
+        raise _damaged(state_path, f"it cannot be read ({e})") from None
+    with sf:
         if int(sf.metadata.get("toy.state.step", -1)) != step:
             raise CheckpointError(f"{state_path}: its step does not match {model_path.name}")
-        optimizer = {n: np.array(sf.tensor_to_float(n), np.float32) for n in sf.tensors}
-        state = json.loads(sf.metadata["toy.state.json"])
-    return Resumable(step, model_path, params, optimizer, state, tok)
+        state_json = sf.metadata.get("toy.state.json")
+        sums = None
+        if verify and CHECKSUMS_KEY in sf.metadata:
+            try:
+                sums = json.loads(sf.metadata[CHECKSUMS_KEY])
+                tensor_sums = dict(sums["tensors"])
+            except (ValueError, TypeError, KeyError):
+                raise _damaged(state_path, f"its {CHECKSUMS_KEY} record is unreadable") from None
+            if not isinstance(state_json, str) or zlib.crc32(state_json.encode()) != sums.get("json"):
+                raise _damaged(state_path, "the training state (toy.state.json) does not match its checksum")
+            if set(tensor_sums) != set(sf.tensors):
+                raise _damaged(state_path, "its tensors are not the ones its checksums name")
+        optimizer = {}
+        for n in sf.tensors:
+            a = np.array(sf.tensor_to_float(n), np.float32)
+            if sums is not None and _crc_array(a) != tensor_sums[n]:
+                raise _damaged(state_path, f"tensor {n} does not match its checksum")
+            optimizer[n] = a
+        try:
+            state = json.loads(state_json)
+        except (TypeError, ValueError):
+            raise _damaged(state_path, "the training state (toy.state.json) is not valid JSON") from None
+    if sums is not None and _crc_file(model_path) != sums.get("model"):
+        raise _damaged(model_path, f"its bytes do not match the checksum recorded in {state_path.name}")
+    try:
+        with GGUFFile(model_path) as gf:
+            params = {n: np.array(gf.tensor_to_float(n), np.float32) for n in gf.tensors}
+            tok = tokenizer_metadata_of(gf)
+    except GGUFError as e:
+        raise _damaged(model_path, f"it cannot be read ({e})") from None
+    return Resumable(step, model_path, params, optimizer, state, tok, verified=sums is not None)
+
+
+def load_resumable(folder: str | Path) -> Resumable:
+    """The newest checkpoint that verifies, starting at ``latest``: the
+    damaged ones skipped are in ``.damaged``. When none verifies, the newest
+    one's ``DamagedCheckpointError`` (its message says none is left)."""
+    folder = Path(folder)
+    first = latest_step(folder)
+    if first is None:
+        raise CheckpointError(f"{folder}: no complete checkpoint to resume from")
+    order = [first] + [s for s in reversed(list_steps(folder)) if s != first]
+    damaged: list[tuple[int, DamagedCheckpointError]] = []
+    for step in order:
+        try:
+            ck = load(folder, step)
+        except DamagedCheckpointError as e:
+            damaged.append((step, e))
+            continue
+        ck.damaged = damaged
+        return ck
+    e = damaged[0][1]
+    others = f" (and {len(damaged) - 1} earlier one(s) are damaged too)" if len(damaged) > 1 else ""
+    raise DamagedCheckpointError(
+        f"{e}; there is no earlier intact checkpoint to fall back on{others}", e.path, hint=e.hint
+    ) from None
+
+
+def set_aside(folder: str | Path, step: int) -> list[Path]:
+    """Rename a damaged checkpoint's files to ``<name>.damaged`` (no longer
+    a checkpoint; kept for inspection); returns the new paths."""
+    folder = Path(folder)
+    out = []
+    for suffix in (".gguf", ".state.gguf"):
+        p = folder / f"step_{step}{suffix}"
+        if p.exists():
+            q = p.with_name(p.name + ".damaged")
+            os.replace(p, q)
+            out.append(q)
+    return out
+
+
+def point_latest(folder: str | Path, step: int) -> None:
+    """Re-point ``latest`` at ``step_<step>.gguf``."""
+    _relink(Path(folder) / "latest", f"step_{step}.gguf")
 
 
 __all__ = [
+    "CHECKSUMS_KEY",
     "CheckpointError",
+    "CheckpointWriteError",
+    "DamagedCheckpointError",
     "Resumable",
     "latest_step",
     "list_steps",
-    "model_metadata",
     "load",
+    "load_resumable",
+    "model_metadata",
+    "point_latest",
+    "remove_orphans",
     "save",
+    "set_aside",
     "tokenizer_metadata_of",
 ]

@@ -33,6 +33,31 @@ that never stopped, on the same device and thread count.
 
 Document separators: ``<|endoftext|>`` when the tokenizer has it, else its
 end-of-sequence token.
+
+The run folder (decisions):
+
+- Lock: a run holds ``toy.runs.folder.RunLock`` on its folder from the moment
+  the folder exists (a new run) or before its checkpoint is read (a resume)
+  until ``run_end`` is written, so a second ``resume`` of a running run
+  fails at once with ``RunInUseError`` ("run <id> is in use by pid N", exit
+  2) instead of interleaving a second copy of the run into events.jsonl.
+- Orphans: with the lock held, ``resume`` deletes the temporary files a
+  killed writer left in ``checkpoints/`` (``checkpoint.remove_orphans``) and
+  says how many in a ``note`` event.
+- Integrity: ``resume`` takes the newest checkpoint whose checksums verify
+  (``checkpoint.load_resumable``). A damaged newer one is renamed to
+  ``*.damaged``, ``latest`` re-pointed, and a ``note`` event plus a
+  ``warning:`` log line say which file was damaged and which step the run
+  goes on from (the steps after it are trained again; a reader takes the
+  later of a step seen twice). With no intact checkpoint left the resume
+  fails with ``DamagedCheckpointError`` naming the file. A checkpoint
+  without checksums (an older toy) resumes unverified, with a ``note``.
+- Writable outputs: ``train`` checks the runs folder (``out``) is a folder
+  it can write into (``check_output_dir``) before the tokenizer is trained
+  or the corpus read. An ``OSError`` during the run (a full disk while
+  writing a checkpoint or events) ends it with ``TrainingIOError``: the
+  message names the file (or the run folder) and the last good checkpoint,
+  the hint the command that resumes from it.
 """
 
 from __future__ import annotations
@@ -58,6 +83,11 @@ from toy.train.optim import lr_at
 
 class TrainingDivergedError(ToyError):
     """The loss became NaN or infinite."""
+
+
+class TrainingIOError(ToyError):
+    """An OSError (a full disk, a read-only folder) stopped the run; the
+    message names the file and the last good checkpoint (exit 1)."""
 
 
 @dataclass
@@ -136,12 +166,16 @@ class _Run:
         hooks: Hooks,
         resume_from: Path | None = None,
         ckpt: checkpoint.Resumable | None = None,
+        lock=None,
+        notes: list[str] | None = None,
     ):
         import toy_ggml
         from toy.runs import RunWriter
+        from toy.runs.folder import RunLock
         from toy.train import data as D
 
         self.cfg, self.hooks = cfg, hooks
+        self.lock = lock  # a resume takes it before reading the checkpoint
         self.runtime = toy_ggml.Runtime(
             cfg.device or os.environ.get("TOY_DEVICE") or "cpu", threads=_threads(cfg.threads)
         )
@@ -197,7 +231,8 @@ class _Run:
                 data=data_info,
                 tokenizer=tok_source,
             )
-        for text in self.setup.notes if self.setup else []:
+            self.lock = RunLock(self.writer.dir)
+        for text in [*(notes or []), *(self.setup.notes if self.setup else [])]:
             self.writer.event("note", text=text)
             if hooks.note:
                 hooks.note(text)
@@ -306,7 +341,7 @@ class _Run:
             "tokenizer_source": self.tok_source,
             **(self.setup.state if self.setup else {}),
         }
-        path = checkpoint.save(
+        path = checkpoint.save(  # CheckpointWriteError: run() adds the last good checkpoint
             self.ckpt_dir,
             step=step,
             cfg=self.model_cfg,
@@ -324,9 +359,36 @@ class _Run:
         if self.hooks.note:
             self.hooks.note(f"step {step}: checkpoint {path}")
 
+    def _io_error(self, e: BaseException) -> TrainingIOError | None:
+        """An OSError (or a failed checkpoint write) as the error to report:
+        what could not be written, and what is left to resume from."""
+        if isinstance(e, checkpoint.CheckpointWriteError):
+            what = str(e)
+        elif isinstance(e, OSError) and not isinstance(e, (BlockingIOError, InterruptedError)):
+            where = e.filename if e.filename else f"the run's files in {self.writer.dir}"
+            what = f"could not write {where}: {e.strerror or e}"
+        else:
+            return None
+        if self.last_ckpt is not None and self.saved_step >= 0:
+            return TrainingIOError(
+                f"{what}; the last good checkpoint is step_{self.saved_step} ({self.last_ckpt})",
+                hint=f"free some space (or fix the folder), then go on from it: toy train --resume {self.writer.dir}",
+            )
+        return TrainingIOError(
+            f"{what}; no checkpoint had been written yet, so there is nothing to resume",
+            hint="free some space (or fix the folder) and start the run again",
+        )
+
     # -------------------------------------------------------------- loop
 
     def run(self) -> RunResult:
+        try:
+            return self._run()
+        finally:  # after run_end: the lock covers every write of the run
+            if self.lock is not None:
+                self.lock.release()
+
+    def _run(self) -> RunResult:
         cfg, eng, hooks = self.cfg, self.engine, self.hooks
         reason = "completed"
         per_step_tokens = cfg.batch_size * cfg.context * cfg.grad_accum
@@ -375,19 +437,31 @@ class _Run:
                 self.sample()
             self.save()
         except BaseException as e:
-            self.writer.end(
-                "interrupted" if isinstance(e, KeyboardInterrupt) else "errored",
-                final_step=eng.step,
-                final_loss=self.last_loss,
-                error=f"{type(e).__name__}: {e}",
-            )
+            io = self._io_error(e)
+            try:
+                self.writer.end(
+                    "interrupted" if isinstance(e, KeyboardInterrupt) else "errored",
+                    final_step=eng.step,
+                    final_loss=self.last_loss,
+                    error=f"{type(e).__name__}: {io or e}",
+                )
+            except Exception:  # noqa: BLE001 - a full disk fails this too; the first error is the one to report
+                pass
+            if io is not None:
+                raise io from e
             raise
         finally:
             eng.close()
             if self.setup is not None:
                 self.setup.close()
             self.runtime.close()
-        self.writer.end(reason, final_step=eng.step, final_loss=self.last_loss, val_loss=self.last_val)
+        try:
+            self.writer.end(reason, final_step=eng.step, final_loss=self.last_loss, val_loss=self.last_val)
+        except OSError as e:
+            raise TrainingIOError(
+                f"the run reached step {eng.step} and wrote its checkpoint {self.last_ckpt}, but could not "
+                f"finish {self.writer.dir / 'events.jsonl'}: {e.strerror or e}"
+            ) from e
         return RunResult(
             self.writer.run_id, self.writer.dir, reason, eng.step, self.last_loss, self.last_val, self.last_ckpt
         )
@@ -396,9 +470,12 @@ class _Run:
 def train(cfg: TrainConfig, hooks: Hooks | None = None) -> RunResult:
     """Train a llama-family model from scratch as ``cfg`` says. Data paths
     are recorded absolute, so ``resume`` works from any folder."""
+    from toy.runs import runs_dir
+    from toy.runs.folder import check_output_dir
     from toy.train.config import validate
 
     cfg = validate(cfg)
+    check_output_dir(runs_dir(cfg.out), "runs folder (out)")  # before the tokenizer is trained
     data = dataclasses.replace(cfg.data, paths=[str(Path(p).expanduser().absolute()) for p in cfg.data.paths])
     return _Run(dataclasses.replace(cfg, data=data), hooks or Hooks()).run()
 
@@ -407,16 +484,42 @@ def resume(run_dir: str | Path, hooks: Hooks | None = None, *, steps: int | None
     """Continue the run in ``run_dir`` from its latest checkpoint, with the
     config it recorded (``steps`` may raise the total: the schedule then
     stretches, so the curve is no longer the uninterrupted one)."""
+    from toy.runs.folder import RunLock
+
     run_dir = Path(run_dir)
-    ck = checkpoint.load(run_dir / "checkpoints")
-    cfg = from_dict(ck.state["config"])
-    if steps is not None:
-        cfg = dataclasses.replace(cfg, steps=steps)
-    if ck.step >= cfg.steps:
-        raise checkpoint.CheckpointError(
-            f"{run_dir}: already at step {ck.step} of {cfg.steps}", hint="pass --steps N with a larger N to go on"
-        )
-    return _Run(cfg, hooks or Hooks(), resume_from=run_dir, ckpt=ck).run()
+    if not run_dir.is_dir():
+        raise checkpoint.CheckpointError(f"{run_dir}: no such run folder")
+    if not (run_dir / "checkpoints").is_dir():  # checked before the lock file is made in it
+        raise checkpoint.CheckpointError(f"{run_dir}: not a training run (it has no checkpoints folder)")
+    hooks = hooks or Hooks()
+    lock = RunLock(run_dir)  # RunInUseError while another process runs it
+    try:
+        ckdir = run_dir / "checkpoints"
+        notes = []
+        orphans = checkpoint.remove_orphans(ckdir)
+        if orphans:
+            names = ", ".join(p.name for p in orphans)
+            notes.append(f"removed {len(orphans)} temporary file(s) an interrupted write left behind: {names}")
+        ck = checkpoint.load_resumable(ckdir)
+        for step, err in ck.damaged:
+            checkpoint.set_aside(ckdir, step)
+            notes.append(f"warning: {err}; set aside as step_{step}*.damaged, resuming from step_{ck.step}")
+        if ck.damaged:
+            checkpoint.point_latest(ckdir, ck.step)
+        if not ck.verified:
+            notes.append(f"checkpoint step_{ck.step} has no checksums (an older toy wrote it): not verified")
+        cfg = from_dict(ck.state["config"])
+        if steps is not None:
+            cfg = dataclasses.replace(cfg, steps=steps)
+        if ck.step >= cfg.steps:
+            raise checkpoint.CheckpointError(
+                f"{run_dir}: already at step {ck.step} of {cfg.steps}", hint="pass --steps N with a larger N to go on"
+            )
+        run = _Run(cfg, hooks, resume_from=run_dir, ckpt=ck, lock=lock, notes=notes)
+    except BaseException:
+        lock.release()
+        raise
+    return run.run()
 
 
-__all__ = ["Hooks", "RunResult", "TrainingDivergedError", "resume", "train"]
+__all__ = ["Hooks", "RunResult", "TrainingDivergedError", "TrainingIOError", "resume", "train"]
