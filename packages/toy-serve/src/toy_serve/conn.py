@@ -241,17 +241,18 @@ class _Guarded:
         self.transport.close()
 
 
-def protocol_class(settings: Any, throttle: Throttle | None = None) -> type:
-    """uvicorn's HTTP protocol class (its "auto" choice) with ``settings``' timeouts and connection cap."""
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
-
+def protocol_class(settings: Any, base: type | None = None, throttle: Throttle | None = None) -> type:
+    """``base`` (default: uvicorn's "auto" HTTP protocol class, httptools when installed, else h11) with
+    ``settings``' timeouts and connection cap. ``base`` may itself be a subclass with other mixins."""
+    if base is None:
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol as base
     attrs = {
         "header_timeout": settings.header_timeout,
         "body_timeout": settings.body_timeout,
         "max_connections": settings.connection_limit,
         "throttle": throttle or Throttle(),
     }
-    return type(f"Toy{AutoHTTPProtocol.__name__}", (_Guarded, AutoHTTPProtocol), attrs)
+    return type(f"Toy{base.__name__}", (_Guarded, base), attrs)
 
 
 class ToyUvicorn(uvicorn.Server):
