@@ -302,6 +302,22 @@ def test_full_disk_before_any_checkpoint_says_nothing_can_be_resumed(corpus, tmp
         train(make_cfg(corpus, tmp_path / "runs"))
 
 
+def test_full_disk_creating_the_run_bundle(corpus, tmp_path, monkeypatch):
+    real = Path.write_text
+
+    def write_text(self, *a, **kw):
+        if self.name == "config.json":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    with pytest.raises(ToyError) as ei:  # before: the bare OSError
+        train(make_cfg(corpus, tmp_path / "runs"))
+    msg = str(ei.value)
+    assert f"could not create the run bundle ({tmp_path / 'runs'}): No space left on device" in msg, msg
+    assert "the run did not start" in msg
+
+
 def test_check_output_dir(tmp_path):
     from toy.runs.folder import OutputDirError, check_output_dir
 

@@ -170,7 +170,7 @@ class _Run:
         notes: list[str] | None = None,
     ):
         import toy_ggml
-        from toy.runs import RunWriter
+        from toy.runs import RunWriter, runs_dir
         from toy.runs.folder import RunLock
         from toy.train import data as D
 
@@ -217,25 +217,41 @@ class _Run:
         self.val = D.validation_batches(self.data, cfg.batch_size, cfg.eval_batches or None) if self.data.n_val else []
         self.n_params = int(sum(int(np.prod(s.shape)) for s in self.engine.specs))
         self.tok_source = tok_source
-        if ckpt:
-            self.writer = RunWriter.reopen(resume_from)
-            self.writer.event("resume", from_step=ckpt.step, checkpoint=ckpt.model_path.name)
-        else:
-            self.writer = RunWriter(
-                "train",
-                to_dict(cfg),
-                root=cfg.out,
-                recipe=cfg.recipe,
-                **{"model": dataclasses.asdict(self.model_cfg), **extra_start},
-                n_params=self.n_params,
-                data=data_info,
-                tokenizer=tok_source,
-            )
-            self.lock = RunLock(self.writer.dir)
-        for text in [*(notes or []), *(self.setup.notes if self.setup else [])]:
-            self.writer.event("note", text=text)
-            if hooks.note:
-                hooks.note(text)
+        try:
+            if ckpt:
+                self.writer = RunWriter.reopen(resume_from)
+                self.writer.event("resume", from_step=ckpt.step, checkpoint=ckpt.model_path.name)
+            else:
+                self.writer = RunWriter(
+                    "train",
+                    to_dict(cfg),
+                    root=cfg.out,
+                    recipe=cfg.recipe,
+                    **{"model": dataclasses.asdict(self.model_cfg), **extra_start},
+                    n_params=self.n_params,
+                    data=data_info,
+                    tokenizer=tok_source,
+                )
+                self.lock = RunLock(self.writer.dir)
+            for text in [*(notes or []), *(self.setup.notes if self.setup else [])]:
+                self.writer.event("note", text=text)
+                if hooks.note:
+                    hooks.note(text)
+        except BaseException as e:
+            self.engine.close()
+            if self.setup is not None:
+                self.setup.close()
+            self.runtime.close()
+            if self.lock is not None:
+                self.lock.release()
+            if isinstance(e, OSError):  # config.json or events.jsonl (the runs folder was checked writable)
+                where = e.filename or (resume_from or runs_dir(cfg.out))
+                raise TrainingIOError(
+                    f"could not {'reopen' if ckpt else 'create'} the run bundle ({where}): {e.strerror or e}; "
+                    "the run did not start",
+                    hint="free some space (or fix the folder) and try again",
+                ) from e
+            raise
         self.ckpt_dir = self.writer.dir / "checkpoints"
         self.last_loss: float | None = None
         self.last_val: float | None = None
