@@ -215,6 +215,13 @@ def _bundle(runs: Path) -> list[dict]:
     return [json.loads(x) for x in (bundle / "events.jsonl").read_text().splitlines()]
 
 
+def _sequences(h: httpx.Client) -> float:
+    """Sequences the engine holds (running and queued), from /metrics."""
+    text = h.get("/metrics").text
+    found = re.findall(r"^toy_(?:active_sequences|queue_depth) (\S+)$", text, re.M)
+    return sum(float(x) for x in found)
+
+
 def _ended_by_shutdown(events: list[str]) -> None:
     assert events[-1] == "data: [DONE]", events[-3:]
     last = json.loads(events[-2][len("data: ") :])
@@ -241,7 +248,10 @@ def test_the_drain_timeout_ends_requests_with_an_error(smollm2_path, tmp_path):
             _lines(lines, events, 3)
             t = threading.Thread(target=non_stream)
             t.start()
-            time.sleep(0.5)  # the second request is in the engine
+            deadline = time.monotonic() + 30
+            while _sequences(h) < 2:  # the second request is in the engine
+                assert time.monotonic() < deadline, "the second request did not start"
+                time.sleep(0.05)
             served.proc.send_signal(signal.SIGTERM)
             t_term = time.monotonic()
             _lines(lines, events)  # a chunked body cut short would raise httpx.RemoteProtocolError here
