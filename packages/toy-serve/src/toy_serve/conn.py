@@ -29,8 +29,10 @@ shutdown sequence (drain, then end what is left).
   installs an event-loop exception handler that logs "cannot accept
   connections" (EMFILE and friends) at most once every ``LOG_EVERY_S``, with a
   count, instead of a traceback per failed ``accept()`` (Python 3.11's
-  selector loop retries up to ``backlog`` times per tick: ~4,000 tracebacks a
-  second when descriptors run out). Its ``shutdown`` replaces uvicorn's:
+  selector loop retries up to ``backlog`` times per tick: ~1,000 tracebacks a
+  second when descriptors run out; the restarts it schedules for each, still
+  pending when the listening socket closes at shutdown, are dropped
+  silently). Its ``shutdown`` replaces uvicorn's:
 
   1. stop accepting; close idle connections; ``/health`` and new requests
      answer 503 (``Server.status`` is "stopping");
@@ -269,6 +271,12 @@ class ToyUvicorn(uvicorn.Server):
             exc = context.get("exception")
             open_ = len(self.server_state.connections)
             self.accept_errors.warn("accept", f"cannot accept connections: {exc} ({open_} open)")
+            return
+        callback = getattr(context.get("handle"), "_callback", None)
+        if getattr(callback, "__name__", "") == "_start_serving" and self.should_exit:
+            # the loop schedules one accept restart per failed accept(); those still pending when the
+            # listening socket has closed (shutdown) fail on its closed descriptor: nothing to report
+            log.debug("an accept restart after shutdown: %s", context.get("exception"))
             return
         loop.default_exception_handler(context)
 
