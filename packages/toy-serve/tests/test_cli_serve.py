@@ -305,3 +305,19 @@ def test_a_second_ctrl_c_ends_the_drain_at_once(smollm2_path, tmp_path):
     recs = _bundle(runs)
     assert recs[-1]["kind"] == "run_end" and recs[-1]["abandoned"] == 1, recs[-1]
     assert [(x["status"], x["finish_reason"]) for x in recs if x["kind"] == "request"] == [(200, "error")]
+
+
+def test_stopped_while_loading_leaves_no_run_bundle(smollm2_path, tmp_path):
+    """A server stopped before its model loaded never served: exit 0 and no run bundle."""
+    runs = tmp_path / "runs"
+    served = Served(smollm2_path, runs)
+    try:
+        assert served._got_port.wait(60), "".join(served.err)
+        r = httpx.get(f"http://127.0.0.1:{served.port}/health", timeout=10)
+        assert r.status_code == 503 and r.json()["status"] == "loading", r.text  # still loading
+        served.proc.send_signal(signal.SIGTERM)
+        rc = served.proc.wait(timeout=60)
+    finally:
+        served.close()
+    assert rc == 0, "".join(served.err)
+    assert not runs.exists() or not any(runs.iterdir()), list(runs.iterdir())
