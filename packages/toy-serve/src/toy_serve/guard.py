@@ -1,5 +1,19 @@
 """The guard middleware (pure ASGI): request id, API key, body limit, 500s for
-escaped exceptions, request metrics and the run bundle's ``request`` event."""
+escaped exceptions, request metrics and the run bundle's ``request`` event.
+
+Decisions (hardening):
+
+- Telemetry never reaches a request: counting the request and writing its
+  event run after the response, and anything they raise is logged, not
+  re-raised (the run writer of a serve run already degrades instead of
+  raising on a full disk; see ``toy.runs.writer``).
+- A request refused for its API key (401) writes no ``request`` event: a
+  client without the key must not be able to grow the run bundle. It is
+  counted in ``toy_requests_total{status="401"}``, and at most one ``note``
+  event every ``NOTE_EVERY_S`` (60 s) says how many were refused since the
+  previous one (``unauthorized``: the count); the first 401 writes one at
+  once. The run_end ``requests`` figure counts ``request`` events only.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +27,8 @@ from fastapi.responses import JSONResponse
 from toy_serve.schemas import APIError
 from toy_serve.server import ENDPOINTS, LOGGED, OPEN_PATHS, Server, internal, log
 
+NOTE_EVERY_S = 60.0  # at most one run-bundle note about refused (401) requests this often
+
 
 def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
@@ -23,11 +39,12 @@ class Guard:
 
     def __init__(self, app: Any, server: Server):
         self.app, self.srv = app, server
+        self.refused, self.noted_at = 0, None  # 401s not yet in a note; when the last note was written
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        t0, rid, srv = time.perf_counter(), secrets.token_hex(12), self.srv
+        t0, rid = time.perf_counter(), secrets.token_hex(12)
         path = scope["path"]
         endpoint = path if path in ENDPOINTS else "other"
         scope["toy.request_id"], scope["toy.stats"], scope["toy.cleanup"] = rid, (stats := {}), (cleanup := [])
@@ -54,10 +71,31 @@ class Guard:
         finally:
             for cancel in cleanup:  # jobs of a stream that never started (client gone at once) stop here
                 cancel()
-            duration = time.perf_counter() - t0
-            srv.metrics.request(endpoint, status[0] or 500, duration)
-            if path in LOGGED:
-                srv.log_request(rid, endpoint, status[0] or 500, stats, duration)
+            self._account(path, endpoint, rid, status[0] or 500, stats, time.perf_counter() - t0)
+
+    def _account(self, path: str, endpoint: str, rid: str, status: int, stats: dict, duration: float) -> None:
+        """Metrics and the run bundle, after the response: nothing here may fail the request."""
+        try:
+            self.srv.metrics.request(endpoint, status, duration)
+            if status == 401:
+                self._note_refused()
+            elif path in LOGGED:
+                self.srv.log_request(rid, endpoint, status, stats, duration)
+        except Exception:  # noqa: BLE001 - telemetry must never reach a request (module docstring)
+            log.exception("request %s: recording it failed", rid)
+
+    def _note_refused(self) -> None:
+        """Count a 401; write the ``note`` when none was written in the last ``NOTE_EVERY_S``."""
+        self.refused += 1
+        now, writer = time.monotonic(), self.srv.writer
+        if writer is None or (self.noted_at is not None and now - self.noted_at < NOTE_EVERY_S):
+            return
+        text = f"refused {self.refused} request(s) without a valid API key (401) since the last such note"
+        try:
+            writer.event("note", text=text, unauthorized=self.refused)
+        except RuntimeError:  # the run has ended (a late request during shutdown)
+            return
+        self.noted_at, self.refused = now, 0
 
     def _auth(self, scope: dict) -> APIError | None:
         key = self.srv.settings.api_key

@@ -20,6 +20,17 @@ What is measured (all names start with ``toy_``):
   and ``toy_request_duration_seconds{endpoint}`` (HTTP request start to the
   last byte of the response, for every endpoint).
 
+- ``toy_telemetry_ok`` (gauge, 1 or 0) and ``toy_telemetry_errors_total``
+  (counter): whether the run bundle's last write succeeded, and how many
+  events could not be written (a full ``--runs-dir``, an I/O error). Read
+  from the run writer when /metrics is scraped (``watch_telemetry``); the
+  requests themselves never see such a failure (``toy.runs.writer``'s
+  "degrade" policy). ``toy_telemetry_ok`` is 1 while no bundle is open yet.
+- ``toy_requests_total{status="401"}`` is the only record of a refused
+  (unauthenticated) request: no ``request`` event is written for it (a
+  client without a key must not be able to grow the run bundle); the guard
+  adds at most one ``note`` per minute with the count instead.
+
 Invariants: no module-level state. Each ``Metrics`` has its own
 ``CollectorRegistry``, so several apps (tests) in one process never share
 or clash over series. All methods are thread-safe (prometheus_client's
@@ -33,9 +44,11 @@ job's own duration (the worker passes it) but does not observe it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # generate_latest writes the classic text format (0.0.4); newer prometheus_client versions name 1.0.0 in
 # their CONTENT_TYPE_LATEST for the same bytes, so the version is stated here, matching what is written.
@@ -46,6 +59,21 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 _WAIT = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _DURATION = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class _Telemetry:
+    """A collector reading the run writer's health at scrape time (``Metrics.watch_telemetry``)."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Any] | None = None
+
+    def collect(self) -> Any:
+        writer = self.source() if self.source is not None else None
+        ok = GaugeMetricFamily("toy_telemetry_ok", "1 while the run bundle's last write succeeded, else 0.")
+        ok.add_metric([], 1.0 if getattr(writer, "healthy", True) else 0.0)
+        errors = CounterMetricFamily("toy_telemetry_errors", "Run-bundle events that could not be written.")
+        errors.add_metric([], float(getattr(writer, "errors", 0)))
+        return [ok, errors]
 
 
 class Metrics:
@@ -86,6 +114,8 @@ class Metrics:
             buckets=_DURATION,
             registry=r,
         )
+        self._telemetry = _Telemetry()
+        r.register(self._telemetry)
 
     # -- called by the engine worker (its thread)
 
@@ -116,6 +146,10 @@ class Metrics:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
         if duration_s is not None:
             self.request_duration.labels(endpoint=endpoint).observe(max(0.0, duration_s))
+
+    def watch_telemetry(self, source: Callable[[], Any]) -> None:
+        """Report ``source()``'s ``healthy``/``errors`` (a ``RunWriter``, or None) at each scrape."""
+        self._telemetry.source = source
 
     def render(self) -> bytes:
         """The Prometheus text exposition format (``CONTENT_TYPE``)."""

@@ -121,6 +121,7 @@ _SSE = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, 
 
 def add_routes(app: FastAPI, srv: Server) -> None:
     alias = srv.settings.alias
+    srv.metrics.watch_telemetry(lambda: srv.writer)  # toy_telemetry_ok / _errors_total, read at each scrape
 
     @app.get("/health", responses={503: {"description": "loading, stopping or failed to load"}})
     async def health() -> Response:

@@ -10,12 +10,33 @@ sees at worst a torn last line (which readers skip).
 
 The writer is thread-safe (the server logs from its worker thread and from
 request handlers). ``run_end`` is written once; later events are refused.
+
+Write failures (a full disk: ENOSPC, a file-size limit: EFBIG, an I/O
+error). Each event is one ``write`` of whole lines on an unbuffered append
+descriptor; a write cut short is truncated back to the last whole line, so
+the file only ever holds whole lines and nothing half-written is retried.
+What happens next is the writer's ``on_error`` policy:
+
+- ``"raise"`` (train and eval runs, the default for every kind but
+  "serve"): ``event``/``end`` raise the ``OSError`` (the trainer turns it
+  into ``TrainingIOError``); ``end`` can be called again.
+- ``"degrade"`` (serve runs: telemetry must never fail a request): the
+  event is dropped and counted (``errors``), ``healthy`` turns False, the
+  first failure is logged once (logger ``toy.runs``, a warning: stderr), and
+  the next write is tried as usual. The first write that succeeds again is
+  preceded by a ``note`` event saying how many events were lost
+  (``lost``), and ``healthy`` is True again. ``end`` tries ``run_end`` the
+  same way, never raises an ``OSError``, and closes the file.
+
+The constructor itself (the folder, config.json) raises in both modes: a
+bundle that cannot even be created is the caller's to report.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import logging
 import math
 import os
 import platform
@@ -27,6 +48,9 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA = "toy/v1"
+ON_ERROR = ("raise", "degrade")
+
+log = logging.getLogger("toy.runs")
 
 
 def _clean(v: Any) -> Any:
@@ -77,16 +101,22 @@ def runs_dir(path: str | os.PathLike | None = None) -> Path:
 class RunWriter:
     """Creates ``<root>/<run_id>/`` and appends events to its events.jsonl."""
 
-    def __init__(self, kind: str, config: dict[str, Any], root: str | os.PathLike | None = None, **start: Any):
+    def __init__(
+        self,
+        kind: str,
+        config: dict[str, Any],
+        root: str | os.PathLike | None = None,
+        *,
+        on_error: str | None = None,
+        **start: Any,
+    ):
         self.kind = kind
         self.run_id = new_run_id(kind)
         self.dir = runs_dir(root) / self.run_id
         self.dir.mkdir(parents=True, exist_ok=False)
         (self.dir / "config.json").write_text(json.dumps(_clean(config), indent=2, sort_keys=True) + "\n")
         self._t0 = time.monotonic()
-        self._lock = threading.Lock()
-        self._f = open(self.dir / "events.jsonl", "a", encoding="utf-8")
-        self.ended = False
+        self._open(self.dir / "events.jsonl", on_error or ("degrade" if kind == "serve" else "raise"))
         import toy_ggml
 
         self.event(
@@ -104,7 +134,7 @@ class RunWriter:
         )
 
     @classmethod
-    def reopen(cls, run_dir: str | os.PathLike) -> RunWriter:
+    def reopen(cls, run_dir: str | os.PathLike, *, on_error: str | None = None) -> RunWriter:
         """Append to an existing run (a resumed training run): ``t`` goes on
         from the last event's time; a torn last line is completed with a
         newline first so it stays one (skipped) line. The caller writes a
@@ -130,25 +160,86 @@ class RunWriter:
         self.run_id = str(first.get("run_id"))
         self.kind = str(first.get("run_kind", "train"))
         self._t0 = time.monotonic() - last_t
-        self._lock = threading.Lock()
-        self._f = open(path, "a", encoding="utf-8")
+        self._open(path, on_error or ("degrade" if self.kind == "serve" else "raise"))
         if raw and not raw.endswith(b"\n"):
-            self._f.write("\n")
-        self.ended = False
+            with self._lock:
+                self._write_lines(b"\n")
         return self
 
-    def event(self, kind: str, **fields: Any) -> None:
-        """Append one event (``kind`` and ``t`` first)."""
+    def _open(self, path: Path, on_error: str) -> None:
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error {on_error!r} is not one of {ON_ERROR}")
+        self.on_error = on_error
+        self._lock = threading.Lock()
+        self._f = open(path, "ab", buffering=0)  # unbuffered: one write per event, nothing held back
+        self._size = self._f.seek(0, os.SEEK_END)  # bytes of whole lines in the file
+        self.ended = False
+        self.errors = 0  # events lost to write errors ("degrade")
+        self.healthy = True  # the last write succeeded
+        self.last_error: str | None = None
+        self._lost = 0  # events lost since the last write that succeeded
+
+    def _raw_write(self, data: bytes | memoryview) -> int:
+        """One ``write`` on the events file (tests replace it to inject failures)."""
+        return self._f.write(data)
+
+    def _write_lines(self, data: bytes) -> None:
+        """Append ``data`` (whole lines) or nothing: a write cut short is truncated back (lock held)."""
+        view = memoryview(data)
+        try:
+            while view:
+                n = self._raw_write(view)
+                if not n:
+                    raise OSError(f"short write on {self._f.name}")
+                view = view[n:]
+        except OSError:
+            try:
+                self._f.truncate(self._size)
+            except OSError:
+                pass
+            raise
+        self._size += len(data)
+
+    def _line(self, kind: str, fields: dict[str, Any]) -> bytes:
         rec = {"kind": kind, "t": round(time.monotonic() - self._t0, 6), **fields}
-        line = json.dumps(_clean(rec), ensure_ascii=False, allow_nan=False)
+        return (json.dumps(_clean(rec), ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
+
+    def event(self, kind: str, **fields: Any) -> bool:
+        """Append one event (``kind`` and ``t`` first). Returns whether it was written: False only
+        when ``on_error`` is "degrade" and the write failed (see the module docstring)."""
+        line = self._line(kind, fields)
         with self._lock:
             if self.ended:
                 raise RuntimeError(f"run {self.run_id} has ended")
-            self._f.write(line + "\n")
-            self._f.flush()
+            return self._append(line)
+
+    def _append(self, line: bytes) -> bool:
+        if self._lost:  # back after a failure: say what is missing first, in the same write
+            lost = f"telemetry: {self._lost} event(s) could not be written ({self.last_error})"
+            line = self._line("note", {"text": lost, "lost": self._lost}) + line
+        try:
+            self._write_lines(line)
+        except OSError as e:
+            if self.on_error == "raise":
+                raise
+            self.errors += 1
+            self._lost += 1
+            self.last_error = f"{type(e).__name__}: {e.strerror or e}"
+            if self.errors == 1:  # logged once; /metrics (the server) or end() tell the rest
+                log.warning(
+                    "run %s: cannot write %s (%s); events are dropped and counted until a write succeeds",
+                    self.run_id,
+                    self._f.name,
+                    self.last_error,
+                )
+            self.healthy = False
+            return False
+        self._lost, self.healthy = 0, True
+        return True
 
     def end(self, reason: str = "completed", **fields: Any) -> None:
-        """Write ``run_end`` (once) and close the file."""
+        """Write ``run_end`` (once) and close the file. With ``on_error`` "degrade" a failed
+        ``run_end`` is counted like any event, and the file is closed all the same."""
         if reason not in ("completed", "interrupted", "errored"):
             raise ValueError(f"run_end reason {reason!r}")
         with self._lock:
@@ -158,6 +249,8 @@ class RunWriter:
         with self._lock:
             self.ended = True
             self._f.close()
+        if self.errors:
+            log.warning("run %s: %d event(s) could not be written to %s", self.run_id, self.errors, self._f.name)
 
 
-__all__ = ["SCHEMA", "RunWriter", "new_run_id", "runs_dir"]
+__all__ = ["ON_ERROR", "SCHEMA", "RunWriter", "new_run_id", "runs_dir"]
