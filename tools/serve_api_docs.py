@@ -202,7 +202,18 @@ HEALTH_503 = '`{"status": "loading"}`, `{"status": "stopping"}`, or `{"status": 
 
 ERROR_CODES: dict[str, tuple[int, str, str]] = {
     "context_length_exceeded": (400, "invalid_request_error", "prompt plus `max_tokens` exceed the context"),
-    "invalid_json": (400, "invalid_request_error", "the body is not valid JSON"),
+    "invalid_json": (
+        400,
+        "invalid_request_error",
+        "the body is not valid JSON: a syntax error, not UTF-8, nested more than 64 levels, an integer of more "
+        "than 4300 digits",
+    ),
+    "invalid_value": (400, "invalid_request_error", "a string holds a lone surrogate (`param` names the field)"),
+    "invalid_http_request": (
+        400,
+        "invalid_request_error",
+        "uvicorn could not parse the request (a malformed `Content-Length`, request line or header)",
+    ),
     "model_not_found": (400, "invalid_request_error", "`model` names a model this server does not serve"),
     "invalid_api_key": (401, "invalid_request_error", "the API key is missing or wrong"),
     "not_found": (404, "invalid_request_error", "no such path"),

@@ -1,10 +1,12 @@
-"""Hardening of the HTTP API: telemetry failures and unauthenticated floods
-(guard.py's and toy.runs.writer's module docstrings).
+"""Hardening of the HTTP API: telemetry failures, unauthenticated floods, refused
+tool calls, malformed JSON bodies and unparsable requests (guard.py's and
+schemas.py's module docstrings).
 
 The apps run over a tiny generated model (``toy_test_models.write_tiny_model``,
 a few KB) in process: httpx's ASGI transport with the app's lifespan
 (``asgi``), which re-raises anything that escapes the app, the way uvicorn
-logs "Exception in ASGI application".
+logs "Exception in ASGI application". The unparsable-request tests run a real
+uvicorn on a free port, since those requests never reach the app.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import asyncio
 import contextlib
 import errno
 import json
+import socket
+import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -201,3 +206,214 @@ def test_refused_requests_note_is_rate_limited(tiny, tmp_path, monkeypatch):
     asyncio.run(go())
     counts = [e["unauthorized"] for e in events(app) if e["kind"] == "note"]
     assert counts == [1, 4, 2]  # at 0 s, at 61 s (1, 1, 30, 61) and at 200 s (62, 200)
+
+
+# -- item 12: tool calls are refused until they exist
+
+TOOL_FIELDS = [
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"function_call": {"name": "f"}}, "function_call"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": "t1"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]},
+                {"role": "user", "content": "t2"},
+            ]
+        },
+        "messages.1.tool_calls",
+    ),
+    (
+        {"messages": [{"role": "assistant", "content": "t1", "function_call": {"name": "f", "arguments": "{}"}}]},
+        "messages.0.function_call",
+    ),
+]
+
+
+def test_tool_call_fields_are_refused(tiny, tmp_path):
+    app = make_app(tiny, tmp_path)
+
+    async def go():
+        async with asgi(app) as c:
+            for extra, param in TOOL_FIELDS:
+                r = await c.post("/v1/chat/completions", json={**CHAT, **extra})
+                assert r.status_code == 400, (extra, r.text)
+                err = error_of(r)
+                assert err["param"] == param and "tool calls are not supported yet" in err["message"], err
+            # what asks for no tool call is accepted
+            ok = {"tool_choice": "none", "function_call": "none", "functions": [], "tools": []}
+            msg = {"role": "assistant", "content": "t3", "tool_calls": [], "function_call": None}
+            body = {**CHAT, **ok, "messages": [*CHAT["messages"], msg], "parallel_tool_calls": False}
+            r = await c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+
+    asyncio.run(go())
+
+
+# -- item 12: bodies that are not well-formed JSON, lone surrogates
+
+
+def raw(s: str) -> bytes:
+    return s.encode("utf-8")
+
+
+INVALID_JSON = [
+    (b'{"prompt": "\xff\xfe"}', "not-utf8"),
+    (b'{"prompt": "\xed\xa0\x80"}', "utf8-encoded-surrogate"),
+    ('{"prompt": "x"}'.encode("utf-16"), "utf-16"),
+    (raw('{"prompt": [1], "user": ' + "[" * 100_000 + "]" * 100_000 + "}"), "nested-100000"),
+    (raw('{"prompt": [1], "user": ' + "[" * 100 + "]" * 100 + "}"), "nested-100"),
+    (raw('{"prompt": [1], "max_tokens": 1' + "0" * 5000 + "}"), "huge-int"),
+    (raw('{"prompt": [1' + "0" * 5000 + "]}"), "huge-token-id"),
+    (b'{"prompt": "a\x00b"}', "nul-in-string"),
+    (b"{bad json", "garbage"),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/embeddings", "/tokenize"])
+def test_malformed_json_is_invalid_json(tiny, tmp_path, path):
+    app = make_app(tiny, tmp_path)
+
+    async def go():
+        async with asgi(app) as c:
+            wrong = []
+            for body, what in INVALID_JSON:
+                r = await c.post(path, content=body, headers={"content-type": "application/json"})
+                err = error_of(r) if r.status_code >= 400 else {}
+                if r.status_code != 400 or err["code"] != "invalid_json" or err["param"] is not None:
+                    wrong.append((what, r.status_code, err))
+            assert not wrong, wrong
+            # still serving; nesting within the limit is fine
+            body = raw('{"prompt": [1, 2], "max_tokens": 1, "user": "u", "metadata": ' + "[" * 30 + "]" * 30 + "}")
+            r = await c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 200, r.text
+
+    asyncio.run(go())
+
+
+LONE = [
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages.0.content"),
+    (
+        "/v1/chat/completions",
+        '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+        "messages.0.content.0.text",
+    ),
+    ("/v1/chat/completions", '{"messages": [{"role": "\\udc00", "content": "t1"}]}', "messages.0.role"),
+    ("/v1/completions", '{"prompt": ["t1", "t2\\uDBFF"], "max_tokens": 1}', "prompt.1"),
+    ("/v1/completions", '{"prompt": "t1", "stop": ["\\ud83d"], "max_tokens": 1}', "stop.0"),
+    ("/v1/embeddings", '{"input": "\\ud800\\ud800"}', "input"),
+    ("/tokenize", '{"content": "x\\udc80"}', "content"),
+]
+
+
+def test_lone_surrogates_name_the_field(tiny, tmp_path):
+    app = make_app(tiny, tmp_path)
+
+    async def go():
+        async with asgi(app) as c:
+            wrong = []
+            for path, body, param in LONE:
+                r = await c.post(path, content=body.encode(), headers={"content-type": "application/json"})
+                err = error_of(r) if r.status_code >= 400 else {}
+                if r.status_code != 400 or (err["param"], err["code"]) != (param, "invalid_value"):
+                    wrong.append((body, r.status_code, err))
+                elif "surrogate" not in err["message"]:
+                    wrong.append((body, r.status_code, err))
+            assert not wrong, wrong
+            # a valid pair (an emoji, escaped) is text
+            body = b'{"content": "t1\\ud83d\\ude00"}'
+            r = await c.post("/tokenize", content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 200, r.text
+
+    asyncio.run(go())
+
+
+# -- item 12: requests uvicorn cannot parse (malformed Content-Length): a real uvicorn
+
+
+class Uvicorn:
+    def __init__(self, app, http):
+        import uvicorn
+
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="off", http=http)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def send(self, data: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=10) as s:
+            s.sendall(data)
+            out = b""
+            while chunk := s.recv(65536):
+                out += chunk
+        return out
+
+
+BAD_LENGTHS = [b"abc", b"-1", b"1e3", b"5, 6", b"99999999999999999999999", b" "]
+
+
+def protocols():
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    out = [H11Protocol]
+    with contextlib.suppress(ImportError):
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        out.append(HttpToolsProtocol)
+    return out
+
+
+@pytest.mark.parametrize("base", protocols(), ids=lambda c: c.__name__)
+def test_malformed_content_length_gets_an_openai_error(tiny, tmp_path, base):
+    from toy_serve.guard import http_protocol
+
+    app = make_app(tiny, tmp_path)
+    with Uvicorn(app, http_protocol(base)) as live:
+        for value in BAD_LENGTHS:
+            req = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            resp = live.send(req + b"content-length: " + value + b"\r\n\r\n{}")
+            head, _, body = resp.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400"), (value, resp)
+            assert b"content-type: application/json" in head.lower(), head
+            assert b"x-request-id: " in head.lower()
+            err = json.loads(body)["error"]
+            assert err["code"] == "invalid_http_request" and err["type"] == "invalid_request_error", err
+        # a well-formed request on the same server is answered as usual
+        ok = live.send(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        assert ok.startswith(b"HTTP/1.1 "), ok
+
+
+def test_plain_uvicorn_answers_malformed_content_length_in_plain_text(tiny, tmp_path):
+    """What the mixin fixes: uvicorn's own protocol answers before the app, in plain text."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    with Uvicorn(make_app(tiny, tmp_path), H11Protocol) as live:
+        resp = live.send(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: abc\r\n\r\n{}")
+    assert resp.startswith(b"HTTP/1.1 400") and b"text/plain" in resp.lower()
+
+
+def test_serve_uses_the_openai_error_protocol():
+    """``toy serve``'s protocol class (conn.protocol_class) includes the mixin."""
+    from toy_serve import Settings
+    from toy_serve.guard import OpenAIErrors
+
+    from toy_serve.conn import protocol_class
+
+    cls = protocol_class(Settings(model=str(Path("m.gguf"))))
+    assert issubclass(cls, OpenAIErrors), cls.__mro__

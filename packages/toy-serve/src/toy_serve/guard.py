@@ -1,5 +1,7 @@
-"""The guard middleware (pure ASGI): request id, API key, body limit, 500s for
-escaped exceptions, request metrics and the run bundle's ``request`` event.
+"""The guard middleware (pure ASGI): request id, API key, body limit, the
+JSON body's well-formedness, 500s for escaped exceptions, request metrics and
+the run bundle's ``request`` event; and ``OpenAIErrors``, the HTTP protocol
+mixin that answers an unparsable request in OpenAI's error shape.
 
 Decisions (hardening):
 
@@ -13,21 +15,47 @@ Decisions (hardening):
   event every ``NOTE_EVERY_S`` (60 s) says how many were refused since the
   previous one (``unauthorized``: the count); the first 401 writes one at
   once. The run_end ``requests`` figure counts ``request`` events only.
+- The JSON body of the POST routes is checked here, before FastAPI parses it
+  (only when FastAPI would read it as JSON: no Content-Type, or
+  ``application/json``/``*+json``). Each of these answers 400
+  ``invalid_json`` (param null): a body that is not UTF-8 (a UTF-8 BOM is
+  allowed), a syntax error (the position, as FastAPI words it), nesting
+  deeper than ``MAX_DEPTH`` (64) levels, an integer of more than Python's
+  4300 digits. A string holding a lone surrogate (``"\\ud800"`` with no low
+  half: not Unicode text) answers 400 ``invalid_value`` with ``param`` the
+  field's dotted path (``messages.0.content``), wherever it is in the body.
+  The cost is a second parse of the body (FastAPI parses it again): about
+  4 ms per MB of text, 26 ms per MB of token ids, within ``max_body_bytes``;
+  the walk over the parsed value runs only when the body has a surrogate
+  escape or more than ``MAX_DEPTH`` brackets (35 ms for 850 KB of chat in
+  4,000 messages, which the chat template and tokenizer then take far
+  longer over).
+- A request uvicorn cannot parse (a malformed ``Content-Length``, request
+  line or header) never reaches the app: uvicorn answers it itself, in plain
+  text. ``OpenAIErrors`` (mixed into uvicorn's protocol class) makes that
+  answer a JSON 400 ``invalid_http_request`` with an ``x-request-id``,
+  ``Connection: close``. It is not counted in ``/metrics``.
 """
 
 from __future__ import annotations
 
 import hmac
+import json
+import re
 import secrets
 import time
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from toy_serve.schemas import APIError
-from toy_serve.server import ENDPOINTS, LOGGED, OPEN_PATHS, Server, internal, log
+from toy_serve.schemas import APIError, validation_error
+from toy_serve.server import DEFAULT_PARAM, ENDPOINTS, LOGGED, OPEN_PATHS, Server, internal, log
 
 NOTE_EVERY_S = 60.0  # at most one run-bundle note about refused (401) requests this often
+MAX_DEPTH = 64  # nesting levels of a JSON body (a chat request with content parts needs 5)
+JSON_PATHS = frozenset(DEFAULT_PARAM)  # the POST routes whose body FastAPI parses as JSON
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # the only way a lone surrogate gets into valid UTF-8 JSON
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # after json.loads, a valid pair is one character
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -60,6 +88,8 @@ class Guard:
             early = self._auth(scope)
             if early is None:
                 body, early = await self._body(scope, receive)
+            if early is None and path in JSON_PATHS and scope.get("method") == "POST" and _is_json(scope):
+                early = check_json(body)
             if early is not None:
                 await error_response(early)(scope, receive, send_)
             else:
@@ -129,6 +159,92 @@ class Guard:
             if not msg.get("more_body"):
                 break
         return b"".join(chunks), None
+
+
+def _is_json(scope: dict) -> bool:
+    """Whether FastAPI reads this body as JSON (no Content-Type, application/json or application/*+json)."""
+    ctype = dict(scope["headers"]).get(b"content-type")
+    if ctype is None:
+        return True
+    mime = ctype.split(b";", 1)[0].strip().lower()
+    return mime == b"application/json" or (mime.startswith(b"application/") and mime.endswith(b"+json"))
+
+
+def check_json(body: bytes) -> APIError | None:
+    """None when ``body`` is well-formed JSON (or empty: FastAPI reports a missing body), else the 400
+    (see the module docstring)."""
+    if not body:
+        return None
+    try:
+        text = body.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        return APIError(400, f"the request body is not valid UTF-8 (at byte {e.start})", code="invalid_json")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        return validation_error([{"type": "json_invalid", "loc": ("body", e.pos)}])
+    except RecursionError:
+        return _too_deep()
+    except ValueError:  # int() refuses more than sys.get_int_max_str_digits() digits
+        return APIError(400, "the request body holds an integer of more than 4300 digits", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(body) or body.count(b"[") + body.count(b"{") > MAX_DEPTH:
+        return _walk(value)
+    return None
+
+
+def _too_deep() -> APIError:
+    return APIError(400, f"the request body is nested more than {MAX_DEPTH} levels deep", code="invalid_json")
+
+
+def _walk(value: Any) -> APIError | None:
+    """The first lone surrogate (in a key or a string) or nesting deeper than ``MAX_DEPTH``, if any."""
+    todo: list[tuple[Any, tuple, int]] = [(value, (), 0)]
+    while todo:
+        v, path, depth = todo.pop()
+        if isinstance(v, str):
+            if _LONE_SURROGATE.search(v):
+                where = ".".join(map(str, path)) or None
+                msg = f"{where or 'the request body'}: the string holds a lone surrogate (not valid Unicode text)"
+                return APIError(400, msg, param=where, code="invalid_value")
+        elif isinstance(v, (dict, list)):
+            if depth >= MAX_DEPTH:
+                return _too_deep()
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, x in reversed(list(items)):  # reversed: the first offending field is found first
+                todo.append((x, (*path, k), depth + 1))
+                if isinstance(k, str):
+                    todo.append((k, (*path, k), depth + 1))
+    return None
+
+
+def _send_400(self: Any, msg: str) -> None:
+    """uvicorn's answer to a request it cannot parse, in OpenAI's error shape (``OpenAIErrors``)."""
+    err = APIError(400, f"invalid HTTP request: {_WHY}", code="invalid_http_request")
+    body = json.dumps(err.body()).encode()
+    head = [b"HTTP/1.1 400 Bad Request"]
+    head += [name + b": " + value for name, value in getattr(self.server_state, "default_headers", [])]
+    head += [b"content-type: application/json", b"content-length: " + str(len(body)).encode()]
+    head += [b"x-request-id: " + secrets.token_hex(12).encode(), b"connection: close", b"", b""]
+    self.transport.write(b"\r\n".join(head) + body)
+    self.transport.close()
+
+
+_WHY = "a malformed request line, header or Content-Length (uvicorn could not parse it)"
+
+
+class OpenAIErrors:
+    """Mixin for uvicorn's HTTP protocol classes (h11, httptools: both call ``send_400_response``
+    for a request they cannot parse): the 400 is OpenAI-shaped JSON instead of plain text.
+    Use as ``type("P", (OpenAIErrors, AutoHTTPProtocol), {})`` (leftmost of uvicorn's class)."""
+
+    send_400_response = _send_400
+
+
+def http_protocol(base: type | None = None) -> type:
+    """``base`` (default: uvicorn's "auto" choice, httptools when installed, else h11) with ``OpenAIErrors``."""
+    if base is None:
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol as base
+    return type(f"OpenAIErrors{base.__name__}", (OpenAIErrors, base), {})
 
 
 def _replay(body: bytes, receive: Any) -> Any:

@@ -10,6 +10,13 @@ Decisions:
   that would change the result and that toy cannot honour (``logit_bias``,
   ``suffix``, ``tools``, ``response_format`` other than text, ``best_of`` != n)
   are refused with 400 instead of being silently dropped.
+- Tool calls do not exist yet, so everything that asks for or replays one is
+  refused with 400 naming the field ("tool calls are not supported yet"):
+  non-empty ``tools`` or ``functions``, a ``tool_choice`` or
+  ``function_call`` other than null or "none" (which ask for no call, as
+  toy does), and a message's non-empty ``tool_calls`` or non-null
+  ``function_call`` (param ``messages.<i>.tool_calls``). ``parallel_tool_calls``
+  only matters with tools and stays ignored.
 - Types are strict (``"0.5"`` is not a number, ``1`` is not a boolean, an
   int is a valid float, an integral float such as ``2.0`` is a valid int as
   JSON Schema says) and NaN/inf are refused: wrong types are the client's
@@ -133,6 +140,8 @@ class ChatMessage(_Model):
     role: str = Field(min_length=1, max_length=64)
     content: str | list[TextPart] | None = None
     name: str | None = None  # ignored
+    tool_calls: list[Any] | None = Field(None, description="Not supported yet: a non-empty list answers 400.")
+    function_call: Any = Field(None, description="Not supported yet (legacy `tool_calls`): not null answers 400.")
 
     def plain(self) -> dict[str, str]:
         """``{"role", "content"}`` for the chat template: text parts joined, "developer" read as "system"."""
@@ -149,6 +158,11 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None  # refused when non-empty
+    tool_choice: Any = Field(None, description='Not supported yet: anything but null or "none" answers 400.')
+    functions: list[Any] | None = Field(None, description="Not supported yet (legacy `tools`): non-empty answers 400.")
+    function_call: Any = Field(
+        None, description='Not supported yet (legacy `tool_choice`): anything but null or "none" answers 400.'
+    )
     response_format: dict[str, Any] | None = None  # only {"type": "text"}
 
     @property
@@ -278,10 +292,27 @@ def refuse_unsupported(req: _Sampling) -> None:
     if isinstance(req, ChatCompletionRequest):
         if req.tools:
             raise APIError(400, "tools (function calling) are not supported", param="tools")
+        _refuse_tool_calls(req)
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+
+
+def _refuse_tool_calls(req: ChatCompletionRequest) -> None:
+    """400 for the fields that ask for (or replay) a tool call (see the module docstring)."""
+    no = "tool calls are not supported yet"
+    if req.functions:
+        raise APIError(400, f"functions: {no}", param="functions")
+    for name in ("tool_choice", "function_call"):
+        value = getattr(req, name)
+        if value is not None and value != "none":
+            raise APIError(400, f"{name}: {no} (only null or 'none' are accepted)", param=name)
+    for i, m in enumerate(req.messages):
+        if m.tool_calls:
+            raise APIError(400, f"messages.{i}.tool_calls: {no}", param=f"messages.{i}.tool_calls")
+        if m.function_call is not None:
+            raise APIError(400, f"messages.{i}.function_call: {no}", param=f"messages.{i}.function_call")
 
 
 def sampling_params(req: _Sampling, *, max_tokens: int, logprobs: int | None, index: int = 0) -> SamplingParams:
