@@ -51,6 +51,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from toy.engine.sampling import SamplingParams
+from toy.tokenizer.chat import ROLE_PATTERN
 
 MAX_N = 8
 MAX_LOGPROBS = 20
@@ -137,7 +138,7 @@ class TextPart(_Model):
 
 
 class ChatMessage(_Model):
-    role: str = Field(min_length=1, max_length=64)
+    role: str = Field(min_length=1, max_length=64, pattern=f"^{ROLE_PATTERN.pattern}$")  # as the template checks
     content: str | list[TextPart] | None = None
     name: str | None = None  # ignored
     tool_calls: list[Any] | None = Field(None, description="Not supported yet: a non-empty list answers 400.")
