@@ -16,6 +16,26 @@ sends them to a LIVE server. The properties, from app.py's invariants:
   positive example's ``model`` is set to the served alias (a random name
   would only ever get ``model_not_found``).
 
+Big values (``test_fuzz_big_values``, hypothesis without schemathesis): for
+every field the request schema names (nested ones too: ``messages.0.content``,
+``messages.0.content.0.text``, ``stream_options.include_usage``, ...), a
+valid request with that one field replaced by a long string (up to 120,000
+characters, and one size past ``max_body_bytes``), a large array (up to
+100,000 items and 0.8 ``max_body_bytes`` of JSON: token ids, huge integers,
+long or empty strings, nulls, objects, nested arrays) or a large object (up
+to 20,000 keys). Values are built by repeating a small drawn piece
+(hypothesis draws the piece, the size and the field), so examples stay cheap
+to generate. Among the items are values json.dumps cannot write, spliced
+into the body's text instead: an integer of 5,000 digits, a lone surrogate
+(``"\\ud800"``) and 100 nested arrays. The properties:
+
+- the answer is 200, or 400 or 413 (past the body limit only) in OpenAI's
+  shape, never a 5xx or a dropped connection, and the server keeps serving;
+- every 400 names the field (``param``) or carries a ``code``: never a bare
+  "there was an error parsing the body";
+- a body with a spliced value gets 400 ``invalid_json`` (the integer, the
+  nesting) or ``invalid_value`` (the surrogate), or 413.
+
 Bounded work: the server runs over its own copy of the model with a 64-token
 context and 2 slots, and ``max_batch=4``, so a request is at most 4 jobs of
 64 tokens (the budget check refuses more before anything runs).
@@ -23,6 +43,7 @@ context and 2 slots, and ``max_batch=4``, so a request is at most 4 jobs of
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -124,5 +145,156 @@ def test_fuzz_no_server_errors(fuzz_live, schema, path, mode):
     run()
     assert sum(seen.values()) >= 1
     # the server is still up and answering afterwards
+    assert fuzz_live.http.get("/health").status_code == 200
+    assert fuzz_live.srv.worker.busy() == 0
+
+
+# -- long strings, large arrays and objects on every field
+
+BIG_EXAMPLES = int(os.environ.get("TOY_FUZZ_BIG_EXAMPLES", "30"))
+# placeholders replaced in the body's JSON text (json.dumps cannot write these), and the code each must get
+SPLICE = {
+    "@huge-int@": ("1" + "0" * 5000, "invalid_json"),
+    "@lone-surrogate@": ('"a\\ud800"', "invalid_value"),
+    "@deep@": ("[" * 100 + "]" * 100, "invalid_json"),
+}
+BASE = {
+    "/v1/completions": {"prompt": "Hi", "max_tokens": 1},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
+    "/v1/embeddings": {"input": "Hi"},
+    "/tokenize": {"content": "Hi"},
+    "/detokenize": {"tokens": [1]},
+}
+
+
+def splice(text: str) -> str:
+    """``text`` with each ``SPLICE`` placeholder (a JSON string) replaced by its raw JSON."""
+    for mark, (raw, _) in SPLICE.items():
+        text = text.replace(f'"{mark}"', raw)
+    return text
+
+
+def field_paths(spec: dict, path: str) -> list[tuple]:
+    """Every field of ``path``'s request body schema, as key paths (a list's items at index 0)."""
+    schemas = spec["components"]["schemas"]
+    body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    out: list[tuple] = []
+
+    def walk(node: dict, at: tuple, depth: int) -> None:
+        while "$ref" in node:
+            node = schemas[node["$ref"].rsplit("/", 1)[1]]
+        if depth > 4:
+            return
+        for member in node.get("anyOf", []) + node.get("oneOf", []) + node.get("allOf", []):
+            walk(member, at, depth)
+        if node.get("type") == "array" and isinstance(node.get("items"), dict):
+            walk(node["items"], (*at, 0), depth + 1)
+        for name, sub in node.get("properties", {}).items():
+            if (*at, name) not in out:
+                out.append((*at, name))
+            walk(sub, (*at, name), depth + 1)
+
+    walk(body, (), 0)
+    return out
+
+
+def put(body: dict, at: tuple, value) -> dict:
+    """``body`` with the field at key path ``at`` set to ``value`` (containers created on the way)."""
+    body = copy.deepcopy(body)
+    node = body
+    for key, nxt in zip(at, at[1:]):
+        empty = [] if isinstance(nxt, int) else {}
+        if isinstance(key, int):
+            if not isinstance(node, list):
+                return body  # the path crosses a value that is not a list here: leave the body as it is
+            while len(node) <= key:
+                node.append(empty)
+            if not isinstance(node[key], type(empty)):
+                node[key] = empty
+        else:
+            if not isinstance(node, dict):
+                return body
+            if not isinstance(node.get(key), type(empty)):
+                node[key] = empty
+        node = node[key]
+    if isinstance(at[-1], int):
+        if isinstance(node, list):
+            node[:1] = [value]
+    elif isinstance(node, dict):
+        node[at[-1]] = value
+    return body
+
+
+def big_values(limit: int):
+    """Long strings, large arrays and large objects, built by repeating a small drawn piece. An array or
+    object holds at most about 0.8 ``limit`` bytes of JSON; one value in eight goes past ``limit`` (413)."""
+    from hypothesis import strategies as st
+
+    def times(x, n: int) -> int:
+        return max(1, min(n, int(0.8 * limit) // (len(splice(json.dumps(x))) + 2)))
+
+    piece = st.text(min_size=1, max_size=6)
+    sizes = st.sampled_from([1_000, 20_000, 120_000])
+    string = st.builds(lambda p, n: (p * n)[:n], piece, sizes)
+    past_limit = st.builds(lambda p: (p * (limit + 1))[: limit + 1], piece)  # 413
+    item = st.one_of(
+        st.sampled_from(sorted(SPLICE)),
+        st.integers(0, 100),
+        st.integers(2**63, 2**200),
+        st.just(""),
+        st.just(None),
+        piece,
+        st.builds(lambda p: p * 500, piece),
+        st.builds(lambda p: {"type": "text", "text": p}, piece),
+        st.builds(lambda p: [p, 1], piece),
+    )
+    array = st.builds(lambda x, n: [x] * times(x, n), item, st.sampled_from([1_000, 10_000, 100_000]))
+    obj = st.builds(lambda x, n: {f"k{i}": x for i in range(times(x, n))}, item, st.sampled_from([100, 20_000]))
+    return st.one_of(string, array, obj, string, array, obj, array, past_limit)
+
+
+@pytest.mark.parametrize("path", POST_PATHS)
+def test_fuzz_big_values(fuzz_live, path):
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+
+    spec = fuzz_live.http.get("/openapi.json").json()
+    fields = field_paths(spec, path)
+    assert len(fields) >= 2, fields
+    limit = fuzz_live.srv.settings.max_body_bytes
+    seen: dict[int, int] = {}
+
+    @settings(
+        max_examples=BIG_EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=os.environ.get("TOY_FUZZ_RANDOM") != "1",
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(at=st.sampled_from(fields), value=big_values(limit))
+    def run(at, value):
+        body = put(BASE[path], at, value)
+        text = json.dumps(body)
+        spliced = {code for mark, (_, code) in SPLICE.items() if f'"{mark}"' in text}
+        data = splice(text).encode()
+        r = fuzz_live.http.post(path, content=data, headers={"content-type": "application/json"})
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        where = ".".join(map(str, at))
+        assert r.status_code < 500, (where, len(data), r.text[:500])
+        if spliced and r.status_code != 413:
+            assert r.status_code == 400, (where, spliced, r.text[:500])
+        assert r.headers.get("x-request-id"), r.headers
+        if r.status_code >= 400:
+            assert r.status_code in (400, 413), (where, r.status_code, r.text[:500])
+            err = _error(r)
+            assert err["param"] is not None or err["code"] is not None, (where, err)
+            if spliced and r.status_code == 400:
+                assert err["code"] in spliced, (where, spliced, err)
+            if r.status_code == 413:
+                assert len(data) > limit, (where, len(data))
+
+    run()
+    assert sum(seen.values()) >= BIG_EXAMPLES // 2, seen
     assert fuzz_live.http.get("/health").status_code == 200
     assert fuzz_live.srv.worker.busy() == 0
