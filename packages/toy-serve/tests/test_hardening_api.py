@@ -411,9 +411,8 @@ def test_plain_uvicorn_answers_malformed_content_length_in_plain_text(tiny, tmp_
 def test_serve_uses_the_openai_error_protocol():
     """``toy serve``'s protocol class (conn.protocol_class) includes the mixin."""
     from toy_serve import Settings
-    from toy_serve.guard import OpenAIErrors
-
     from toy_serve.conn import protocol_class
+    from toy_serve.guard import OpenAIErrors
 
     cls = protocol_class(Settings(model=str(Path("m.gguf"))))
     assert issubclass(cls, OpenAIErrors), cls.__mro__
