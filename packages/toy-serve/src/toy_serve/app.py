@@ -13,7 +13,10 @@ Invariants:
 - Every response carries ``x-request-id``; every error is in OpenAI's shape
   ``{"error": {"message", "type", "param", "code"}}``; every request is
   counted in ``toy_requests_total{endpoint,status}``; the model endpoints
-  each log one ``request`` event in the run bundle, whatever the outcome.
+  each log one ``request`` event in the run bundle, whatever the outcome,
+  except a request refused for its API key (401): those are counted in
+  /metrics and summed up in a rate-limited ``note`` (see ``toy_serve.guard``),
+  so key-less clients cannot grow the bundle.
 - A request's budget (prompt + max_tokens <= the context of one sequence)
   and its size (jobs <= ``Settings.jobs_per_request``) are checked before
   anything is queued; a request either queues all its jobs or none.
