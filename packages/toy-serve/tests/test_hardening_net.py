@@ -191,6 +191,15 @@ def test_a_slow_but_steady_request_is_served(guarded):
     assert raw.startswith(b"HTTP/1.1 200"), raw[:200]
 
 
+def test_a_request_uvicorn_cannot_parse_gets_an_openai_error(guarded):
+    """The guards stack on guard.py's protocol mixin: a malformed Content-Length is a JSON 400 too."""
+    guarded.ready()
+    with _connect(guarded.port) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}")
+        status, err = _error(_read_all(s))
+    assert status == 400 and err["code"] == "invalid_http_request", err
+
+
 def test_connections_beyond_the_cap_get_503(capped):
     url = capped.ready()
     held = [_connect(capped.port) for _ in range(8)]

@@ -6,8 +6,9 @@ shutdown sequence (drain, then end what is left).
   in use or a host that does not resolve is a ``BadInputError`` (the CLI
   exits 2) naming ``host:port``, never a traceback after the model loaded.
 - ``protocol_class(settings)`` is uvicorn's HTTP protocol (httptools when
-  installed, else h11: uvicorn's "auto") with three guards added, applied
-  before the app sees anything:
+  installed, else h11: uvicorn's "auto"; with ``guard.OpenAIErrors``, so a
+  request uvicorn cannot parse gets an OpenAI-shaped 400) with three guards
+  added, applied before the app sees anything:
 
   - request headers must be complete within ``header_timeout`` seconds of
     the connection (or of the first byte of a later request on a kept-alive
@@ -244,10 +245,13 @@ class _Guarded:
 
 
 def protocol_class(settings: Any, base: type | None = None, throttle: Throttle | None = None) -> type:
-    """``base`` (default: uvicorn's "auto" HTTP protocol class, httptools when installed, else h11) with
-    ``settings``' timeouts and connection cap. ``base`` may itself be a subclass with other mixins."""
+    """``base`` with ``settings``' timeouts and connection cap. The default base is ``guard.http_protocol()``:
+    uvicorn's "auto" class (httptools when installed, else h11) whose answer to a request it cannot parse
+    is an OpenAI-shaped 400 (``guard.OpenAIErrors``)."""
     if base is None:
-        from uvicorn.protocols.http.auto import AutoHTTPProtocol as base
+        from toy_serve.guard import http_protocol
+
+        base = http_protocol()
     attrs = {
         "header_timeout": settings.header_timeout,
         "body_timeout": settings.body_timeout,
