@@ -218,12 +218,22 @@ ERROR_CODES: dict[str, tuple[int, str, str]] = {
     "invalid_api_key": (401, "invalid_request_error", "the API key is missing or wrong"),
     "not_found": (404, "invalid_request_error", "no such path"),
     "method_not_allowed": (405, "invalid_request_error", "the path exists, the method does not"),
+    "request_timeout": (
+        408,
+        "invalid_request_error",
+        "the headers (`--header-timeout`) or the body (`--body-timeout`) did not arrive in time; the connection closes",
+    ),
     "request_too_large": (413, "invalid_request_error", "the body is over the size limit"),
     "queue_full": (429, "rate_limit_error", "no room in the queue; retry after `Retry-After` seconds"),
     "internal_error": (500, "server_error", "an unexpected failure (the message holds the request id)"),
     "model_loading": (503, "server_error", "the model is still loading"),
+    "too_many_connections": (
+        503,
+        "server_error",
+        "`--max-connections` are open; retry after `Retry-After` seconds (answered before the request is read)",
+    ),
 }
-ERROR_SOURCES = ("app.py", "guard.py", "jobs.py", "routes.py", "schemas.py", "server.py")
+ERROR_SOURCES = ("app.py", "conn.py", "guard.py", "jobs.py", "routes.py", "schemas.py", "server.py")
 
 # Real answers of the app without a model (see the module docstring): (title, method, path, JSON body).
 EXAMPLES = (
