@@ -192,6 +192,23 @@ def test_without_run_end_running_or_unfinished(tmp_path):
         assert load_run(tmp_path / rid).status == want, rid
 
 
+def test_a_training_run_holding_its_lock_is_running(tmp_path):
+    # Before: a resumed session writes no pid, so a resumed run in progress read "unfinished". A training run
+    # holds its folder's lock (toy.runs.folder.RunLock) while it runs; the reader asks who holds it.
+    lines = [start("train-r", host={"name": platform.node()}), step(1, 3.0), end("interrupted")]
+    d = write_bundle(tmp_path, "train-r", lines + [{"kind": "resume", "t": 5.0, "from_step": 1}, step(2, 2.0)])
+    code = "import sys; from toy.runs.folder import RunLock; RunLock(sys.argv[1]); print('held', flush=True); input()"
+    child = subprocess.Popen([sys.executable, "-c", code, str(d)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline().strip() == b"held"
+        assert load_run(d).status == "running"
+    finally:
+        child.kill()  # SIGKILL: the pid stays in the lock file, the lock itself goes with the process
+        child.wait()
+    assert (d / ".lock").read_text().strip() == str(child.pid)
+    assert load_run(d).status == "unfinished"
+
+
 def test_resume_rules(tmp_path):
     lines = [
         start("train-x"),

@@ -145,4 +145,38 @@ class RunLock:
         self.release()
 
 
-__all__ = ["LOCK_NAME", "OutputDirError", "RunInUseError", "RunLock", "check_output_dir"]
+def lock_holder(run_dir: str | os.PathLike) -> int | None:
+    """The pid of the process holding ``run_dir``'s lock, or None when nobody does; it never takes the lock.
+
+    On Linux the answer comes from ``/proc/locks`` (the flock on the lock file's inode), so a dead holder's
+    pid left in the file by SIGKILL, even if recycled, does not count. Elsewhere the pid written in the file
+    counts when that process exists."""
+    path = Path(run_dir) / LOCK_NAME
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    pid = _read_pid(path)
+    try:
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        table = None
+    if table is not None:
+        dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        for line in table.splitlines():
+            f = line.split()
+            if len(f) >= 6 and f[1] == "FLOCK" and f[5] == dev and f[4].isdigit():
+                return int(f[4])
+        return None
+    if pid is None or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except PermissionError:
+        return pid
+    except OSError:
+        return None
+    return pid
+
+
+__all__ = ["LOCK_NAME", "OutputDirError", "RunInUseError", "RunLock", "check_output_dir", "lock_holder"]

@@ -18,11 +18,13 @@ Tolerance (``read_events``):
   ``NaN``/``Infinity`` literals read as ``None``, like the writer's nulls.
 
 Summaries (``Run``): the status is the ``reason`` of the last ``run_end`` that
-comes after the last ``resume``. Without one the run is "running" when its
-``run_start`` names this host and a ``pid`` that is alive, else "unfinished"
-(killed, or still running on another machine). Decisions: a resumed session
-writes no pid, so a resumed run in progress shows "unfinished"; a recycled pid
-can make a dead run look "running"; on Windows liveness is not probed.
+comes after the last ``resume``. Without one, a folder with a lock file (a
+training run: new or resumed, it holds ``toy.runs.folder``'s lock while it
+runs) is "running" while a process holds that lock; another run is "running"
+when its ``run_start`` names this host and a ``pid`` that is alive. Else it
+is "unfinished" (killed, or running on another machine). Decisions: eval and
+serve runs take no lock, so for them a recycled pid can make a dead run look
+"running"; on Windows liveness is not probed.
 Curves follow the resume rule of the training reference: a ``resume`` with
 ``from_step`` k drops the points after step k, so a repeated step means its
 later occurrence. For eval runs ``best_val`` is the headline: the loss of the
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from toy.errors import BadInputError
+from toy.runs.folder import LOCK_NAME, lock_holder
 from toy.runs.writer import runs_dir
 
 KINDS = ("train", "serve", "eval")
@@ -144,6 +147,13 @@ class Run:
         return d
 
 
+def _running(d: Path, start: dict) -> bool:
+    """A run folder with a lock file (training) is running while its lock is held; else ask its pid."""
+    if (d / LOCK_NAME).exists():
+        return lock_holder(d) is not None
+    return _alive(start)
+
+
 def _alive(start: dict) -> bool:
     pid, host = _int(start.get("pid")), start.get("host")
     if pid is None or pid <= 0 or os.name == "nt":  # os.kill(pid, 0) is not a probe on Windows
@@ -224,7 +234,7 @@ def load_run(path: str | os.PathLike) -> Run:
             end = None
     status = end.get("reason") if end else None
     if status not in ("completed", "interrupted", "errored"):
-        status = "running" if end is None and _alive(start) else "unfinished"
+        status = "running" if end is None and _running(d, start) else "unfinished"
     run = Run(
         id=d.name, dir=d, kind=kind, model=_model(kind, start, config), started_at=start.get("started_at"),
         steps=None, final_loss=None, best_val=None, tokens_per_s=None, status=status, wall_s=None,
