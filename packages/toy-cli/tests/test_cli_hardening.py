@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import toy_test_models as mp  # registered by the root conftest.py
 from cli_helpers import assert_clean_error, run
+from train_helpers import python_docs_corpus  # registered by the root conftest.py
 
 SMALL = ["--d-model", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "64"]
 SMALL += ["--vocab-size", "300", "--batch-size", "2", "--context", "32", "--threads", "1", "--eval-every", "0"]
@@ -29,15 +30,7 @@ SMALL += ["--vocab-size", "300", "--batch-size", "2", "--context", "32", "--thre
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from toy.train.corpus import write_python_docs
-
-    d = tmp_path_factory.mktemp("corpus")
-    paths = write_python_docs(d / "all")
-    small = d / "small"
-    small.mkdir()
-    for p in paths[:8]:
-        (small / p.name).write_text(p.read_text())
-    return small
+    return python_docs_corpus(tmp_path_factory.mktemp("corpus"), 8)["small"]
 
 
 @pytest.fixture(autouse=True)

@@ -25,13 +25,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from train_helpers import python_docs_corpus  # registered by the root conftest.py
 
 from toy.errors import BadInputError, ToyError
 from toy.gguf import GGUFFile, GGUFWriter
 from toy.gguf.writer import copy_metadata
 from toy.train import checkpoint
 from toy.train import config as C
-from toy.train.corpus import write_python_docs
 from toy.train.loop import Hooks, resume, train
 
 SMALL = {
@@ -52,13 +52,7 @@ SMALL = {
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus")
-    paths = write_python_docs(d / "all")
-    small = d / "small"
-    small.mkdir()
-    for p in paths[:8]:
-        (small / p.name).write_text(p.read_text())
-    return {"small": small, "cache": d / "cache"}
+    return python_docs_corpus(tmp_path_factory.mktemp("corpus"), 8)
 
 
 def make_cfg(corpus, out: Path, **kw):

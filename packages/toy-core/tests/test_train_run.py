@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from train_helpers import python_docs_corpus  # registered by the root conftest.py
 
 from toy.train import checkpoint
 from toy.train import config as C
-from toy.train.corpus import write_python_docs
 from toy.train.loop import Hooks, TrainingIOError, resume, train
 
 SMALL = {
@@ -36,13 +36,7 @@ SMALL = {
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus")
-    paths = write_python_docs(d / "all")
-    small = d / "small"
-    small.mkdir()
-    for p in paths[:12]:
-        (small / p.name).write_text(p.read_text())
-    return {"all": d / "all", "small": small, "cache": d / "cache"}
+    return python_docs_corpus(tmp_path_factory.mktemp("corpus"), 12)
 
 
 def make_cfg(corpus, tmp_path, **kw):

@@ -79,3 +79,16 @@ def seeded_adapter(base_path, out_path, *, seed: int, rank: int, alpha: float, t
         out_path, architecture=cfg.architecture, pairs=pairs, alpha=alpha, rank=rank, targets=list(targets),
         base=base_name,
     )  # fmt: skip
+
+
+def python_docs_corpus(root, n_small: int) -> dict:
+    """The bundled Python-docs corpus written under ``root`` (``all``), its first ``n_small`` files copied to
+    ``small``, and a token cache folder: ``{"all", "small", "cache"}`` paths (for the recipe tests)."""
+    from toy.train.corpus import write_python_docs
+
+    paths = write_python_docs(root / "all")
+    small = root / "small"
+    small.mkdir()
+    for p in paths[:n_small]:
+        (small / p.name).write_text(p.read_text())
+    return {"all": root / "all", "small": small, "cache": root / "cache"}
