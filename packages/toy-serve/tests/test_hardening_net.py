@@ -89,6 +89,19 @@ class Proc:
         return rc
 
 
+def _wait_healthy(url: str, timeout: float, what: str) -> None:
+    """Poll /health until it answers 200 (connection errors count as not yet), failing with ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
 def _connect(port: int) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
     s.settimeout(TIMEOUT + 4)
@@ -214,15 +227,7 @@ def test_connections_beyond_the_cap_get_503(capped):
     finally:
         for s in held:
             s.close()
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the server did not answer again once the connections closed"
-        time.sleep(0.1)
+    _wait_healthy(url, 10, "the server did not answer again once the connections closed")
     assert any("refused a connection with 503" in line for line in capped.err), "".join(capped.err[-20:])
 
 
@@ -251,15 +256,7 @@ def test_out_of_descriptors_keeps_the_log_small_and_recovers(tiny, tmp_path, ext
         for s in held:
             s.close()
         held = []
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not answer again"
-            time.sleep(0.2)
+        _wait_healthy(url, 15, "the server did not answer again")
         log_bytes = p.err_bytes
     finally:
         for s in held:
