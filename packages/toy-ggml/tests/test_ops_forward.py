@@ -1067,5 +1067,7 @@ def test_mul_mat_row_invariant(rt, rng, qt):
     np.testing.assert_array_equal(batch[3:4], alone)
     batch_default, alone_default = eval_graph(rt, build(False), *inputs)
     np.testing.assert_array_equal(alone_default, alone)  # one row: vec_dot either way
-    if qt == Q.F32:
+    if qt == Q.F32 and tg.cpu_features()["avx"]:
+        # tinyBLAS (llamafile sgemm) takes F32 batches only in AVX builds; the x64
+        # CPU variant multiplies every row with vec_dot, so there is nothing to differ
         assert not np.array_equal(batch_default[3:4], alone_default)

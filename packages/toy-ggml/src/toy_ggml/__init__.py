@@ -17,6 +17,7 @@ Everything ggml would abort on is checked first and raised as ``ValueError``,
 """
 
 from toy_ggml import _build_config as build_config
+from toy_ggml import _dispatch
 from toy_ggml._core import (
     BACKWARD_GLU_OPS,
     BACKWARD_OPS,
@@ -32,9 +33,12 @@ from toy_ggml._core import (
     quantizable_types,
     quantize,
 )
+from toy_ggml._dispatch import cpu_variant
 from toy_ggml.devices import Device, default_threads, devices, physical_cores, resolve_device
 from toy_ggml.dtypes import GGMLType
 from toy_ggml.errors import ClosedError, GGMLError, UnsupportedBackwardError
+
+_dispatch.load()  # exactly one CPU backend variant per process (see toy_ggml._dispatch)
 
 __version__ = "0.1.0"
 GGML_VERSION = build_config.GGML_VERSION
@@ -57,6 +61,7 @@ __all__ = [
     "build_config",
     "buffer_from_memory",
     "cpu_features",
+    "cpu_variant",
     "default_threads",
     "dequantize",
     "devices",

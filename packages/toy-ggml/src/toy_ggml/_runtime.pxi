@@ -29,16 +29,17 @@ def devices_raw():
     return out
 
 
+_OLD_FEATURE_KEYS = ("sse3", "avx", "avx2", "f16c", "fma", "avx512", "avx512_vnni", "avx512_bf16",
+                     "amx_int8", "neon", "llamafile")
+
+
 def cpu_features():
-    """CPU features ggml was compiled with and detects (name -> bool)."""
-    return {
-        "sse3": bool(ggml_cpu_has_sse3()), "avx": bool(ggml_cpu_has_avx()),
-        "avx2": bool(ggml_cpu_has_avx2()), "f16c": bool(ggml_cpu_has_f16c()),
-        "fma": bool(ggml_cpu_has_fma()), "avx512": bool(ggml_cpu_has_avx512()),
-        "avx512_vnni": bool(ggml_cpu_has_avx512_vnni()), "avx512_bf16": bool(ggml_cpu_has_avx512_bf16()),
-        "amx_int8": bool(ggml_cpu_has_amx_int8()), "neon": bool(ggml_cpu_has_neon()),
-        "llamafile": bool(ggml_cpu_has_llamafile()),
-    }
+    """CPU features the loaded CPU backend variant was compiled with and uses
+    (name -> bool; lower-case names of ggml's feature list)."""
+    feats = {k.lower(): v not in ("", "0") for k, v in cpu_backend_features().items()}
+    out = {k: feats.get(k, False) for k in _OLD_FEATURE_KEYS}
+    out.update({k: v for k, v in feats.items() if k not in out})
+    return out
 
 
 cdef class Runtime(_Handle):
@@ -95,7 +96,8 @@ cdef class Runtime(_Handle):
                 chosen = d
         if chosen == NULL and want not in ("auto", "cpu"):
             raise ValueError(f"unknown device {device!r}; available: {', '.join(names) or 'none'}")
-        self._cpu = ggml_backend_cpu_init()
+        _require_cpu()
+        self._cpu = ggml_backend_dev_init(_cpu_dev, NULL)
         if self._cpu == NULL:
             raise GGMLError("could not start the CPU backend")
         if chosen != NULL and ggml_backend_dev_type(chosen) != GGML_BACKEND_DEVICE_TYPE_CPU:
@@ -109,14 +111,14 @@ cdef class Runtime(_Handle):
             self._primary = self._cpu
             self.device = "CPU"
         self.threads = threads
-        ggml_backend_cpu_set_n_threads(self._cpu, threads)
+        _cpu_set_n_threads(self._cpu, threads)
         cdef ggml_threadpool_params tpp
         if threads > 1:
             tpp = ggml_threadpool_params_default(threads)
             tpp.poll = poll
-            self._tp = ggml_threadpool_new(&tpp)
+            self._tp = _tp_new(&tpp)
             if self._tp != NULL:
-                ggml_backend_cpu_set_threadpool(self._cpu, self._tp)
+                _cpu_set_tp(self._cpu, self._tp)
         self._backend_addrs = [<uintptr_t>self._primary]
         if self._primary != self._cpu:
             self._backend_addrs.append(<uintptr_t>self._cpu)
@@ -151,9 +153,9 @@ cdef class Runtime(_Handle):
             ggml_backend_sched_free(self._sched)
             self._sched = NULL
         if self._cpu != NULL and self._tp != NULL:
-            ggml_backend_cpu_set_threadpool(self._cpu, NULL)
+            _cpu_set_tp(self._cpu, NULL)
         if self._tp != NULL:
-            ggml_threadpool_free(self._tp)
+            _tp_free(self._tp)
             self._tp = NULL
         if self._primary != NULL and self._primary != self._cpu:
             ggml_backend_free(self._primary)

@@ -57,6 +57,14 @@ cdef extern from "ggml-backend.h" nogil:
     ggml_backend_buffer_type_t ggml_backend_dev_buffer_type(ggml_backend_dev_t device)
     ggml_backend_reg_t ggml_backend_dev_backend_reg(ggml_backend_dev_t device)
     const char * ggml_backend_reg_name(ggml_backend_reg_t reg)
+    void * ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name)
+    size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg)
+    ggml_backend_dev_t ggml_backend_reg_dev_get(ggml_backend_reg_t reg, size_t index)
+    size_t ggml_backend_reg_count()
+    ggml_backend_reg_t ggml_backend_reg_get(size_t index)
+
+    # dynamic backends (GGML_BACKEND_DL): load a backend module and register it
+    ggml_backend_reg_t ggml_backend_load(const char * path)
 
     # scheduler
     ggml_backend_sched_t ggml_backend_sched_new(ggml_backend_t * backends, ggml_backend_buffer_type_t * bufts, int n_backends, size_t graph_size, bint parallel, bint op_offload)

@@ -1,5 +1,8 @@
 # cython: language_level=3
-# Extern declarations for ggml-cpu.h (only what toy binds). No logic here.
+# The CPU backend's entry points. The CPU backend is a dynamically loaded
+# module (GGML_BACKEND_DL, one per x86-64 level), so nothing here is linked:
+# these are the function types its registry hands out through
+# ggml_backend_reg_get_proc_address under the names in the comments. No logic here.
 from toy_ggml._c.ggml_backend cimport ggml_backend_t, ggml_backend_reg_t
 
 cdef extern from "ggml.h" nogil:
@@ -9,23 +12,17 @@ cdef extern from "ggml.h" nogil:
     ctypedef void * ggml_threadpool_t
     ggml_threadpool_params ggml_threadpool_params_default(int n_threads)
 
-cdef extern from "ggml-cpu.h" nogil:
-    void ggml_cpu_init()
-    ggml_threadpool_t ggml_threadpool_new(ggml_threadpool_params * params)
-    void ggml_threadpool_free(ggml_threadpool_t threadpool)
-    ggml_backend_t ggml_backend_cpu_init()
-    bint ggml_backend_is_cpu(ggml_backend_t backend)
-    void ggml_backend_cpu_set_n_threads(ggml_backend_t backend_cpu, int n_threads)
-    void ggml_backend_cpu_set_threadpool(ggml_backend_t backend_cpu, ggml_threadpool_t threadpool)
-    ggml_backend_reg_t ggml_backend_cpu_reg()
-    int ggml_cpu_has_sse3()
-    int ggml_cpu_has_avx()
-    int ggml_cpu_has_avx2()
-    int ggml_cpu_has_f16c()
-    int ggml_cpu_has_fma()
-    int ggml_cpu_has_avx512()
-    int ggml_cpu_has_avx512_vnni()
-    int ggml_cpu_has_avx512_bf16()
-    int ggml_cpu_has_amx_int8()
-    int ggml_cpu_has_neon()
-    int ggml_cpu_has_llamafile()
+cdef extern from "ggml-backend.h" nogil:
+    struct ggml_backend_feature:
+        const char * name
+        const char * value
+    # "ggml_backend_set_n_threads"
+    ctypedef void (*ggml_backend_set_n_threads_t)(ggml_backend_t backend, int n_threads)
+    # "ggml_backend_get_features": a list ending with a NULL name
+    ctypedef ggml_backend_feature * (*ggml_backend_get_features_t)(ggml_backend_reg_t reg)
+
+ctypedef ggml_threadpool_t (*toy_threadpool_new_t)(ggml_threadpool_params * params) noexcept nogil      # "ggml_threadpool_new"
+ctypedef void (*toy_threadpool_free_t)(ggml_threadpool_t threadpool) noexcept nogil                     # "ggml_threadpool_free"
+ctypedef void (*toy_cpu_set_threadpool_t)(ggml_backend_t backend, ggml_threadpool_t tp) noexcept nogil  # "ggml_backend_cpu_set_threadpool"
+# a variant's score: 0 when this CPU cannot run it, higher for a better fit ("ggml_backend_score")
+ctypedef int (*toy_backend_score_t)() noexcept nogil
