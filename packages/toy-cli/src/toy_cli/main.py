@@ -85,6 +85,7 @@ def devices(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -
         "native": toy_ggml.build_config.NATIVE,
         "ggml_version": toy_ggml.GGML_VERSION,
         "patches": list(toy_ggml.build_config.PATCHES),
+        "cpu_variant": toy_ggml.cpu_variant().to_dict(),
         "cpu_features": [k for k, v in toy_ggml.cpu_features().items() if v],
         "default_threads": toy_ggml.default_threads(),
     }
@@ -99,6 +100,9 @@ def devices(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -
         f"patches: {', '.join(build['patches']) or 'none'}",
         err=True,
     )
+    var = build["cpu_variant"]
+    others = ", ".join(f"{c['tag']} {c['score']}" for c in var["candidates"])
+    typer.echo(f"cpu variant: {var['tag']} ({var['reason']}); scores: {others}", err=True)
     typer.echo(f"cpu features: {' '.join(build['cpu_features'])}; threads: {build['default_threads']}", err=True)
 
 
