@@ -68,9 +68,18 @@ class KVCache:
         self.k = [self._ctx.tensor(self.kv_type, k_shape, name=f"cache_k_l{i}") for i in range(cfg.n_layer)]
         self.v = [self._ctx.tensor(self.kv_type, v_shape, name=f"cache_v_l{i}") for i in range(cfg.n_layer)]
         self._ctx.allocate(runtime)
-        zeros = np.zeros(k_shape, np.float32)
+        # zero bytes are 0.0 in every KV type (F16, F32, and Q8_0 blocks: a
+        # zero scale and zero quants, what quantizing zeros gives), so zero
+        # bytes are stored: no float conversion per tensor
+        zeros = None
         for t in self.k + self.v:
-            t.set_float(zeros.reshape(t.shape))
+            try:
+                view = t.host_view()  # F16/F32 in host memory: zeroed in place
+            except (toy_ggml.GGMLError, TypeError):  # device memory, or Q8_0
+                zeros = zeros or bytes(t.nbytes)
+                t.set_raw(zeros)
+            else:
+                view.fill(0)
         self._tokens: list[list[int]] = [[] for _ in range(n_slot)]
 
     @property

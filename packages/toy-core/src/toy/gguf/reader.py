@@ -83,7 +83,9 @@ class StringArray(Sequence):
     __hash__ = None
 
     def tolist(self) -> list[str]:
-        return list(self)
+        """Every string, decoded in one native pass (``list(self)`` decodes
+        them one Python call at a time, ~3x slower for a vocabulary)."""
+        return scan_strings(self._raw, 0, len(self))[0]
 
     def __repr__(self) -> str:
         return f"StringArray({len(self)} strings)"

@@ -23,6 +23,7 @@ problem raises ``TokenizerError`` naming the key and the offending value.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -222,6 +223,12 @@ def _str_list(metadata: Mapping[str, Any], key: str) -> list[str] | None:
     raw = metadata.get(key)
     if raw is None:
         return None
+    # the GGUF reader's lazy form (str items, UTF-8 validated when read): one
+    # native pass; a StringArray exists only once the reader is imported, and
+    # importing it here would import toy_ggml
+    reader = sys.modules.get("toy.gguf.reader")
+    if reader is not None and isinstance(raw, reader.StringArray):
+        return raw.tolist()
     if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)):
         raise TokenizerError(f"{key} is not an array of strings")
     items = list(raw)
