@@ -30,12 +30,22 @@ What is timed:
   ``Runtime.compute`` calls of those decode steps alone (timed by a thin
   wrapper around the runtime for this run; it includes the scheduler's
   re-allocation when the attention length crosses a 32-cell step).
+
+The ready line also says which toy_ggml this process runs (its file, whether
+it is a native build, the CPU backend variant loaded and ggml's CPU
+features); ``--expect-native DIR`` makes the script fail unless it runs a
+native build of toy_ggml imported from under DIR (``build_config.NATIVE``;
+or, for ``tools/bench_native.py``'s ``march-native`` fallback, one CPU
+backend and no variants) (the native side of the
+native-vs-portable benchmark, started with ``python -S`` so the dev venv's
+editable loader does not win).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -103,6 +113,32 @@ class ToySide:
         return res
 
 
+def ggml_info(expect_native: str | None) -> dict:
+    """Which toy_ggml this process imported, and its CPU backend variant."""
+    import toy_ggml
+
+    info = {
+        "toy_ggml_file": toy_ggml.__file__,
+        "native": toy_ggml.build_config.NATIVE,
+        "cpu_variant": toy_ggml.cpu_variant().tag,
+        "cpu_variants_built": list(toy_ggml.build_config.CPU_VARIANTS),
+        "cpu_features": sorted(k for k, v in toy_ggml.cpu_features().items() if v),
+    }
+    if expect_native is not None:
+        where = os.path.realpath(expect_native)
+        here = os.path.realpath(toy_ggml.__file__)
+        assert here.startswith(where + os.sep), f"toy_ggml comes from {here}, not from under {where}"
+        # tools/bench_native.py's note of how it built this toy_ggml
+        marker = os.path.join(os.path.dirname(here), "_bench_native.json")
+        info["bench_native"] = json.load(open(marker)) if os.path.isfile(marker) else None
+        mode = (info["bench_native"] or {}).get("mode")
+        if mode == "march-native":  # -march=native without the meson option (it fails to build)
+            assert toy_ggml.build_config.CPU_VARIANTS == (), toy_ggml.build_config.CPU_VARIANTS
+        else:
+            assert toy_ggml.build_config.NATIVE is True, f"not a native toy_ggml: {here}"
+    return info
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="GGUF file")
@@ -110,7 +146,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--n-ctx", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--expect-native", metavar="DIR", help="fail unless toy_ggml is a native build from under DIR")
     args = ap.parse_args()
+    ggml = ggml_info(args.expect_native)
 
     with open(args.ids) as f:
         spec = json.load(f)
@@ -128,6 +166,7 @@ def main() -> None:
         "n_ctx": side.m.n_ctx,
         "kv_bytes": eng.cache.nbytes,
         "graphs": builds,
+        "ggml": ggml,
     }
     print(json.dumps(ready), flush=True)
     for line in sys.stdin:
