@@ -25,6 +25,7 @@ Tolerances, relative to the largest |logit| of the reference:
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -286,15 +287,19 @@ SCHEDULES = {
 def test_batched_decode_is_bit_exact(rt, models, name, schedule, attn):
     m = models(name)
     rng = np.random.default_rng(5)
-    # 5, 30 and 45 tokens: attention lengths 32, 32 -> 64 (crossing during
-    # the steps) and 64 -- the slots' padded lengths differ
-    prompts = [[int(t) for t in rng.integers(0, VOCAB, size=n)] for n in (5, 30, 45)]
+    # Without flash attention the engine raises the pad to a multiple of
+    # ggml's dot-product step (64 on AVX-512 CPU variants, 32 on AVX2).
+    pad = 32 if attn == "f16_flash" else math.lcm(32, tg.sum_step())
+    # with pad 32: 5, 30 and 45 tokens, attention lengths 32, 32 -> 64
+    # (crossing during the steps) and 64 -> 96 -- the slots' padded lengths differ
+    prompts = [[int(t) for t in rng.integers(0, VOCAB, size=n)] for n in (5, pad - 2, 2 * pad - 19)]
     plan = SCHEDULES[schedule]
     # flash attention pads the attention length to 256 by default (capped at
     # n_ctx): pad to 32 here too, so that the slots' lengths differ
-    kw = {"kv_type": "f16", "flash_attn": attn == "f16_flash", "kv_pad": 32, "n_ctx": 96}
+    kw = {"kv_type": "f16", "flash_attn": attn == "f16_flash", "kv_pad": 32, "n_ctx": 3 * pad}
     solo = engine(m, rt, **kw)
     together = engine(m, rt, n_slot=3, **kw)
+    assert solo.kv_pad == together.kv_pad == pad
     try:
         alone = []
         for j, p in enumerate(prompts):
@@ -306,7 +311,7 @@ def test_batched_decode_is_bit_exact(rt, models, name, schedule, attn):
         one = [k for k in together._graphs if k[0] == "decode1"]
         assert bool(one) == (attn == "f16"), one
         # the last step's attention lengths (the cached length padded to 32) differ
-        assert len({padded_length(together.cache.length(j), 32) for j in range(3)}) == 3
+        assert len({padded_length(together.cache.length(j), pad) for j in range(3)}) == 3
         for j in range(3):
             rows, toks = batched[j]
             rows0, toks0 = alone[j]
@@ -394,20 +399,22 @@ def test_truncate_and_prefix_reuse(rt, models):
 
 def test_graph_reuse(rt, models):
     m = models("gqa_untied")
-    e = engine(m, rt, n_ctx=64, kv_type="f32")
+    pad = math.lcm(32, tg.sum_step())  # the engine's attention-length step without flash attention
+    e = engine(m, rt, n_ctx=2 * pad, kv_type="f32")
     try:
+        assert e.kv_pad == pad
         e.prefill(0, [1, 2, 3])
         builds = e.stats.graph_builds
         e.prefill(0, [4, 5, 6])  # same size and attention length: the graph is reused
         assert e.stats.graph_builds == builds
-        e.decode([0], [7])  # position 6: attention length 32
+        e.decode([0], [7])  # position 6: attention length pad
         builds = e.stats.graph_builds
-        for t in range(25):  # positions 7 .. 31, all within the first 32 cells
+        for t in range(pad - 7):  # positions 7 .. pad - 1, all within the first pad cells
             e.decode([0], [t])
-        assert e.cache.length(0) == 32 and e.stats.graph_builds == builds
-        e.decode([0], [1])  # position 32: attention length 64, a new graph
+        assert e.cache.length(0) == pad and e.stats.graph_builds == builds
+        e.decode([0], [1])  # position pad: attention length 2 * pad, a new graph
         assert e.stats.graph_builds == builds + 1
-        assert e.stats.decode_tokens == 27 and e.stats.prefill_tokens == 6
+        assert e.stats.decode_tokens == pad - 5 and e.stats.prefill_tokens == 6
     finally:
         e.close()
 

@@ -33,7 +33,7 @@ from toy_ggml._core import (
     quantizable_types,
     quantize,
 )
-from toy_ggml._dispatch import cpu_variant
+from toy_ggml._dispatch import cpu_variant, sum_step
 from toy_ggml.devices import Device, default_threads, devices, physical_cores, resolve_device
 from toy_ggml.dtypes import GGMLType
 from toy_ggml.errors import ClosedError, GGMLError, UnsupportedBackwardError
@@ -69,4 +69,5 @@ __all__ = [
     "quantizable_types",
     "quantize",
     "resolve_device",
+    "sum_step",
 ]

@@ -219,3 +219,23 @@ def load() -> VariantChoice:
 def cpu_variant() -> VariantChoice:
     """The CPU backend variant this process loaded, with the reason."""
     return load()
+
+
+def sum_step() -> int:
+    """How many elements ggml's F32/F16 dot products of the loaded CPU variant
+    take per SIMD step (GGML_F32_STEP / GGML_F16_STEP; a whole multiple of
+    both): 32 with AVX/AVX2 (and on other CPUs), 64 with AVX-512, 128 for a
+    native build on a CPU with AVX512-FP16. A dot product of length n sums
+    its first n - n % step elements in SIMD lanes and the rest one by one, so
+    two lengths that are both multiples of the step give the same sum when
+    one only adds zeros: the engine pads attention lengths to a multiple of
+    this so that a sequence's logits do not depend on its batch."""
+    from toy_ggml._core import cpu_features
+
+    feats = cpu_features()
+    if not feats.get("avx512"):
+        return 32
+    flags = _cpu_flags() or set()
+    if build_config.NATIVE and "avx512_fp16" in flags:
+        return 128
+    return 64

@@ -24,6 +24,13 @@ Shapes (NumPy order): activations (n, d_model); Q (n, H, D), K and V
 (n, H_kv, D) before the cache; the attention length ``n_kv`` is the cached
 length rounded up to ``kv_pad`` (32 like llama.cpp without flash attention,
 256 with it) and capped at ``n_ctx``; padding cells are masked (-inf).
+Without flash attention ``kv_pad`` is raised to a multiple of
+``toy_ggml.sum_step()`` (64 on the AVX-512 CPU variants, 32 on AVX2): the
+attention-weighted sum of V is a dot product over the attention length, and
+ggml sums a length's last ``n % step`` elements one by one, so a sequence
+padded to 32 alone and to 64 in a batch would be summed in a different
+order. With every length a multiple of the step, a batch only adds zeros to
+the same SIMD lanes, and on AVX2 the numbers are the same as with 32.
 
 LoRA adapters (``lora``, optional): a map from a base weight's GGUF name to
 its terms ``(a, b, scale, None)`` — A (r, in) and B (out, r) ggml tensors
@@ -43,6 +50,7 @@ engine worker).
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -120,6 +128,8 @@ class LLMEngine:
         self.cache = KVCache(cfg, runtime, n_ctx, n_slot, kv_type, v_trans=not self.flash_attn)
         self.n_ctx, self.n_slot, self.n_batch = n_ctx, n_slot, n_batch
         self.kv_pad = kv_pad or (256 if self.flash_attn else 32)
+        if not self.flash_attn:  # see the module docstring: batch invariance of the V sums
+            self.kv_pad = math.lcm(self.kv_pad, toy_ggml.sum_step())
         self.max_graphs = max_graphs
         self.exact_batching = bool(exact_batching)
         self.one_attention = True  # decode consecutive slots with one 4-D attention (see _one_attention)
