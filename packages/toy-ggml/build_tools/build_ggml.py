@@ -61,8 +61,13 @@ def cmake_defines(args: argparse.Namespace) -> dict[str, str]:
     if args.native == "1":
         d.update({"GGML_NATIVE": "ON", "GGML_CPU_ALL_VARIANTS": "OFF", "GGML_CPU_VARIANTS": ""})
         if args.x86:
-            d["CMAKE_C_FLAGS"] = NO_AMX
-            d["CMAKE_CXX_FLAGS"] = NO_AMX
+            # ggml refuses GGML_NATIVE with GGML_BACKEND_DL on x86 (its variant score
+            # needs the feature definitions); for the CPU backend GGML_NATIVE only
+            # adds -march=native, so pass that directly (the module's score is then
+            # the baseline's, which is all one module needs)
+            d["GGML_NATIVE"] = "OFF"
+            d["CMAKE_C_FLAGS"] = "-march=native " + NO_AMX
+            d["CMAKE_CXX_FLAGS"] = "-march=native " + NO_AMX
     elif args.variants:
         d.update({"GGML_NATIVE": "OFF", "GGML_CPU_ALL_VARIANTS": "ON", "GGML_CPU_VARIANTS": args.variants})
     else:
