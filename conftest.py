@@ -79,6 +79,30 @@ def pytest_configure(config):
             spec.loader.exec_module(mod)
 
 
+# Outputs recorded with llama.cpp (or toy) on AVX2 kernels are the same arithmetic
+# only under toy's AVX2 CPU variant: the AVX-512 variants sum and quantize in
+# another order (float-rounding differences that a Q4_1 model's activation
+# quantization amplifies to ~1 logit, as large as its own error against F32
+# activations). Tests marked avx2_reference therefore run where the loaded
+# variant is `haswell`; `just test` runs them again with
+# TOY_GGML_CPU_VARIANT=haswell when the dispatch picked another one.
+AVX2_VARIANT = "haswell"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("avx2_reference") is None:
+        return
+    import toy_ggml
+
+    tag = toy_ggml.cpu_variant().tag
+    if tag != AVX2_VARIANT:
+        pytest.skip(
+            f"compares with AVX2-recorded outputs; this process runs the {tag} CPU variant "
+            f"(`just test` runs it again under TOY_GGML_CPU_VARIANT={AVX2_VARIANT})"
+        )
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     p = find_smollm2()

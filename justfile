@@ -21,9 +21,16 @@ install *args:
     python3 tools/install.py {{args}}
 
 # Run the tests (everything except `gpu` and `bench`); no tests collected is a failure.
+# Tests marked avx2_reference (outputs recorded on AVX2 kernels) run a second time under the
+# AVX2 CPU variant when the dispatch loaded another one (AVX-512 machines).
 test *args: setup
     rc=0; {{py}} -m pytest -m "not gpu and not bench" {{args}} || rc=$?; \
-    if [ "$rc" -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit "$rc"
+    if [ "$rc" -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; \
+    if {{py}} tools/avx2_pass.py; then \
+      echo "test: the avx2_reference tests again under TOY_GGML_CPU_VARIANT=haswell" >&2; \
+      rc2=0; TOY_GGML_CPU_VARIANT=haswell {{py}} -m pytest -m "avx2_reference and not gpu and not bench" {{args}} || rc2=$?; \
+      if [ "$rc2" -ne 0 ] && [ "$rc2" -ne 5 ]; then rc=$rc2; fi; \
+    fi; exit "$rc"
 
 # Tests that need a GPU device (they skip themselves without one).
 test-gpu *args: setup

@@ -65,6 +65,7 @@ def test_logprobs_json_and_table(capsys, smollm2_path, tmp_path):
     assert "' Paris'" in out and f"PPL {want['ppl']:.4f} over 6 tokens" in out and "run: " in err
 
 
+@pytest.mark.avx2_reference
 @pytest.mark.model
 def test_perplexity_through_the_cli_equals_llama_cpp(capsys, smollm2_path, tmp_path):
     ref = json.loads((FIX / "eval_llamacpp.json").read_text())

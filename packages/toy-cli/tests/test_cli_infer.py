@@ -109,6 +109,7 @@ def infer_json(capsys, *args):
 # ---------------------------------------------------------------- greedy parity and prompt sources
 
 
+@pytest.mark.avx2_reference
 @pytest.mark.model
 def test_greedy_parity_positional_prompt_with_logprobs(capsys, smollm2_path, ref):
     g = ref["counting"]
@@ -173,6 +174,7 @@ def test_greedy_parity_chat_from_prompt_file(capsys, smollm2_path, ref, chat_ids
     assert d["tokens"][11] in EOG_IDS and d["finish_reason"] == "length"
 
 
+@pytest.mark.avx2_reference
 @pytest.mark.model
 def test_chat_custom_system_and_stop_at_end_of_generation(capsys, smollm2_path, chat_ids):
     """Without --ignore-eos the reply ends at an end-of-generation token

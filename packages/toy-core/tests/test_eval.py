@@ -285,6 +285,7 @@ def lcpp():
     return json.loads((FIX / "eval_llamacpp.json").read_text())
 
 
+@pytest.mark.avx2_reference
 @pytest.mark.model
 def test_perplexity_equals_llama_cpp(smollm2_path, lcpp):
     text = (FIX / "eval_text.md").read_text(encoding="utf-8")
@@ -303,6 +304,7 @@ def test_perplexity_equals_llama_cpp(smollm2_path, lcpp):
     np.testing.assert_allclose(sums, ref["window_nll_sums"], rtol=1e-4)
 
 
+@pytest.mark.avx2_reference
 @pytest.mark.model
 def test_compare_q4_1_against_f32_equals_llama_cpp(smollm2_path, lcpp, tmp_path):
     from toy.gguf import quantize_model

@@ -61,6 +61,7 @@ def model_files(smollm2_path, tmp_path_factory) -> dict[str, Path]:
     return files
 
 
+@pytest.mark.avx2_reference
 @pytest.mark.parametrize("name", list(BY_FILE))
 def test_greedy_tokens_equal_llamacpp(model_files, name):
     rec = BY_FILE[name]

@@ -406,6 +406,7 @@ def _fixture_params():
     return out
 
 
+@pytest.mark.avx2_reference
 @pytest.mark.parametrize("rec", _fixture_params())
 def test_greedy_tokens_equal_llamacpp(rec):
     r, ctx = rec["recipe"], FIX["context"]

@@ -164,6 +164,7 @@ def greedy_runs(smollm2_path, rt):
     return out
 
 
+@pytest.mark.avx2_reference
 @pytest.mark.model
 def test_smollm2_greedy_matches_llamacpp(greedy_runs):
     bad = [
@@ -174,6 +175,7 @@ def test_smollm2_greedy_matches_llamacpp(greedy_runs):
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.avx2_reference
 @pytest.mark.model
 def test_smollm2_prompt_logits_match_llamacpp(greedy_runs):
     for g, row, _, _ in greedy_runs:

@@ -299,6 +299,7 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+@pytest.mark.avx2_reference
 @pytest.mark.model
 def test_greedy_with_adapter_equals_llamacpp(smollm2_path, tmp_path):
     rec = json.loads(FIXTURE.read_text())

@@ -115,6 +115,7 @@ def test_greedy_completion_equals_library(client, alias, ref_gpt2, prompt):
     assert r.usage.completion_tokens == completion_tokens(want)
 
 
+@pytest.mark.avx2_reference
 @pytest.mark.parametrize("rec", FIXTURE["models"][0]["prompts"], ids=lambda p: p["text"][:12])
 def test_greedy_completion_equals_llamacpp(client, alias, ref_gpt2, rec):
     r0 = FIXTURE["models"][0]["recipe"]
