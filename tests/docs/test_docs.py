@@ -373,6 +373,7 @@ class Page:
         self.runmap: dict[str, str] = {}
         self.replaces: list[tuple[str, str]] = []
         self.ran = self.skipped = 0
+        self.timings: list[tuple[float, str]] = []
         self.skips: list[str] = []
 
     # run ids -------------------------------------------------------------
@@ -647,6 +648,7 @@ def run_page(rel: str, workdir: Path, home: Path) -> Page:
                 rc, out = page.sh(page.prepare(b, b.notes["setup"]))
                 if rc != 0:
                     page.fail(b, f"setup `{b.notes['setup']}` exited {rc}:\n{out[-2000:]}")
+            t_block = time.monotonic()
             mode = b.notes.get("output", "figures")
             if FAST and "fast-output" in b.notes:
                 mode = b.notes["fast-output"]
@@ -665,6 +667,7 @@ def run_page(rel: str, workdir: Path, home: Path) -> Page:
                     last_out, last_changed = page.run_bash(b, text), changed
                 else:
                     last_out, last_changed = page.run_python(b, text), changed
+                page.timings.append((time.monotonic() - t_block, b.where))
                 last_fast_mode = b.notes.get("fast-output") if FAST else None
                 continue
             # a listing: the expected output of the block just above, or nothing to run
@@ -700,5 +703,7 @@ def test_page(rel, tmp_path, docs_home):
     print(f"{rel}: {page.ran} blocks run, {page.skipped} skipped, {took:.1f} s")
     for s in page.skips:
         print("  skipped", s)
+    for secs, where in sorted(page.timings, reverse=True)[:3]:
+        print(f"  {secs:6.1f} s  {where}")
     if page.failures:
         pytest.fail(f"{len(page.failures)} docs block(s) of {rel} fail:\n\n" + "\n\n".join(page.failures), False)
