@@ -106,7 +106,10 @@ FAST = os.environ.get("TOY_DOCS_FAST", "1") != "0"
 RTOL = 0.05
 COMMAND_TIMEOUT = 600
 
-pytestmark = [pytest.mark.docs, pytest.mark.slow, pytest.mark.model]
+# The outputs shown in the docs were recorded on AVX2 kernels (toy's haswell CPU
+# variant): on an AVX-512 machine `just test` runs the pages in its second pass,
+# under TOY_GGML_CPU_VARIANT=haswell (see the root conftest.py).
+pytestmark = [pytest.mark.docs, pytest.mark.slow, pytest.mark.model, pytest.mark.avx2_reference]
 
 # -- parsing
 
@@ -607,7 +610,8 @@ def docs_home(tmp_path_factory, smollm2_path) -> Path:
 
 
 def page_env(home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TOY_") or k == "TOY_DOCS_FAST"}
+    keep = ("TOY_DOCS_FAST", "TOY_GGML_CPU_VARIANT")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOY_") or k in keep}
     env.update(
         PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         VIRTUAL_ENV=str(VENV_BIN.parent),
