@@ -26,6 +26,8 @@ Tolerances (per dtype / kind of op):
 - GELU: the CPU rounds x to F16 and reads GELU from an F16 table
   (ggml-cpu/vec.h, GGML_GELU_FP16), so |err| <= 2**-11 * (1.13*|x| + |y|):
   rtol 2e-3, atol 1e-3.
+- GELU, erf form: float32 with erff, no table: rtol 1e-6 plus an absolute
+  2**-22 * |x| for the cancellation of 1 + erf at x < 0 (see test_gelu_erf).
 - F16 weights in mul_mat: ggml converts the F32 activations to F16 (the F16
   vec_dot_type), so the reference rounds them to F16 too; what remains is F32
   accumulation error: rtol 1e-4, atol 1e-4.
@@ -53,6 +55,7 @@ Tolerances (per dtype / kind of op):
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -219,6 +222,40 @@ def test_unary(rt, rng, name, fn, kind, rtol, atol):
         x.flat[:6] = [-12.0, -10.0, -9.99, 9.99, 10.0, 15.0]
     got = eval_graph(rt, lambda ctx, a: getattr(ctx, name)(a), x)
     close(got, fn(x.astype(np.float64)), rtol=rtol, atol=atol)
+
+
+def _gelu_erf(x):
+    # 0.5 x (1 + erf(x/sqrt2)) = 0.5 x erfc(-x/sqrt2): erfc keeps the float64
+    # reference exact where 1 + erf would cancel (x << 0).
+    return np.array([0.5 * v * math.erfc(-v / math.sqrt(2.0)) for v in np.asarray(x, np.float64).ravel()]).reshape(
+        np.shape(x)
+    )
+
+
+def test_gelu_erf(rt, rng):
+    # ggml-cpu/vec.h ggml_vec_gelu_erf_f32: y = 0.5f*x*(1.0f + erff(x*SQRT_2_INV)) in float32,
+    # no float16 table. Error: a few ulp from erff (glibc: <= 1 ulp), the x*SQRT_2_INV and
+    # product roundings -> rtol 1e-6 (~16 * 2**-24); plus, for x < 0 where 1 + erf cancels, an
+    # absolute error of erff near -1 and of the sum 1 + erf (<= 2**-24 each, and the rounded
+    # argument's erf' * u * 2**-24 < 0.5 * 2**-24) scaled by 0.5|x|: atol 2**-22 * |x|.
+    # Measured on x in [-12, 12]: rel err <= 1.2e-7 for x > 0, abs err <= 0.73 * 2**-24 * |x| for
+    # x < 0 (max err/tol 0.11). Inputs include 0, +-tiny, +-subnormal, the +-10 region (no
+    # cut-off there, unlike gelu()) and the tails.
+    special = np.array(
+        [0.0, -0.0, 1e-30, -1e-30, 1e-40, -1e-40, 1e-7, -1e-7, 0.5, -0.5, 1.0, -1.0, 3.0, -3.0]
+        + [5.0, -5.0, 9.99, -9.99, 10.0, -10.0, 12.0, -12.0, 30.0, -30.0, 1e4, -1e4],
+        F32,
+    )
+    x = np.concatenate([special, randn(rng, 4 * 67 - special.size, scale=3.0).ravel()]).reshape(4, 67).astype(F32)
+    got = np.asarray(eval_graph(rt, lambda ctx, a: ctx.gelu_erf(a), x), np.float64)
+    ref = _gelu_erf(x)
+    # (+ 2**-149, one subnormal step: 0.5 * x rounds there)
+    tol = 1e-6 * np.abs(ref) + 2.0**-22 * np.abs(x.astype(np.float64)) + 2.0**-149
+    err = np.abs(got - ref)
+    assert np.all(err <= tol), f"worst x={x.flat[np.argmax(err - tol)]}: err {err.max():.3g}"
+    assert np.all(got[x > 0] > 0) and got.flat[0] == 0.0
+    # far from 0 erff saturates to +-1: gelu_erf(1e4) = 1e4, gelu_erf(-1e4) = 0
+    assert got.flat[special.size - 2] == 1e4 and got.flat[special.size - 1] == 0.0
 
 
 @pytest.mark.parametrize("lo,hi", [(-0.5, 0.5), (0.0, 10.0), (-1.0, -1.0)])

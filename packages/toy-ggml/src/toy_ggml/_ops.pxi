@@ -119,6 +119,8 @@ cdef class Context(_ContextBase):
             p = ggml_gelu(self.ptr, a.ptr)
         elif which == 8:
             p = ggml_silu(self.ptr, a.ptr)
+        elif which == 10:
+            p = ggml_gelu_erf(self.ptr, a.ptr)
         else:
             p = ggml_relu(self.ptr, a.ptr)
         return self._r(p, a._ndim)
@@ -154,6 +156,17 @@ cdef class Context(_ContextBase):
     def gelu(self, Tensor a):
         """GELU, tanh approximation (the CPU reads a float16 table)."""
         return self._unary(a, 7, "gelu")
+
+    def gelu_erf(self, Tensor a):
+        """GELU, exact form 0.5·x·(1 + erf(x/√2)) (float32, no table).
+
+        ggml's CPU kernel (ggml-cpu/vec.h, ggml_vec_gelu_erf_f32) evaluates
+        ``0.5f*x*(1.0f + erff(x*SQRT_2_INV))`` per element in float32 with the
+        C library's erff; unlike gelu() it reads no float16 table. For x << 0
+        the 1 + erf cancels, so there the error is absolute (~|x|·2**-24), as in
+        PyTorch's float32 erf GELU, which computes the same expression.
+        """
+        return self._unary(a, 10, "gelu_erf")
 
     def silu(self, Tensor a):
         """a * sigmoid(a)."""

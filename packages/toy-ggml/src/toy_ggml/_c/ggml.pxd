@@ -184,6 +184,7 @@ cdef extern from "ggml.h" nogil:
     ggml_tensor * ggml_tanh(ggml_context * ctx, ggml_tensor * a)
     ggml_tensor * ggml_sigmoid(ggml_context * ctx, ggml_tensor * a)
     ggml_tensor * ggml_gelu(ggml_context * ctx, ggml_tensor * a)
+    ggml_tensor * ggml_gelu_erf(ggml_context * ctx, ggml_tensor * a)
     ggml_tensor * ggml_silu(ggml_context * ctx, ggml_tensor * a)
     ggml_tensor * ggml_swiglu_split(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b)
     ggml_tensor * ggml_norm(ggml_context * ctx, ggml_tensor * a, float eps)
