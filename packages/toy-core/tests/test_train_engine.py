@@ -268,3 +268,27 @@ def test_bad_batches_are_refused(tmp_path, rt):
     with pytest.raises(ValueError, match="no starting value"):
         TrainEngine(ArchTrain(cfg), {}, rt, OptimConfig(), batch=2, context=8)
     eng.close()
+
+
+def test_label_smoothing_matches_torch(tmp_path, rt):
+    """``label_smoothing`` gives PyTorch's smoothed cross-entropy and its
+    gradient; the validation NLL stays the plain NLL (and an unsmoothed
+    upload after a smoothed one leaves no smoothing behind)."""
+    cfg, w = load_tiny(tmp_path, "gqa_untied")
+    rng = np.random.default_rng(11)
+    b = packed_batch(rng, cfg.n_vocab, 2, 12)
+    eng = TrainEngine(ArchTrain(cfg), w, rt, OptimConfig(), batch=2, context=12, label_smoothing=0.1)
+    loss, grads = eng.gradients([b])
+    n = float(b.loss_mask.sum())
+    args = (w, cfg, b.tokens, b.pos, b.doc, b.targets, b.loss_mask, n)
+    ref_loss, ref = torch_llama.loss_and_grads(*args, label_smoothing=0.1)
+    plain_loss, _ = torch_llama.loss_and_grads(*args)
+    assert abs(ref_loss - plain_loss) > 1e-3  # the smoothing term is visible at this tolerance
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert_grads_close(grads, ref)
+    nll, count = eng.eval_nll(b)
+    assert count == int(n)
+    assert nll / n == pytest.approx(plain_loss, rel=1e-5)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        TrainEngine(ArchTrain(cfg), w, rt, OptimConfig(), batch=2, context=12, label_smoothing=1.0)
+    eng.close()

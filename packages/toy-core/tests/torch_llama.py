@@ -156,11 +156,21 @@ def logits(params: Mapping[str, np.ndarray], cfg, tokens, pos, doc) -> np.ndarra
 
 
 def loss_and_grads(
-    params: Mapping[str, np.ndarray], cfg, tokens, pos, doc, targets, loss_mask, normalizer: float
+    params: Mapping[str, np.ndarray],
+    cfg,
+    tokens,
+    pos,
+    doc,
+    targets,
+    loss_mask,
+    normalizer: float,
+    label_smoothing: float = 0.0,
 ) -> tuple[float, dict[str, np.ndarray]]:
     """The masked, normalized cross-entropy of a batch and its gradient with
     respect to every entry of ``params`` (float64 arrays of the same shapes;
-    zeros for a tensor the loss does not use)."""
+    zeros for a tensor the loss does not use). ``label_smoothing`` e: each
+    position's loss is ``(1 - e) * nll + e * mean over the vocabulary of
+    -log p`` (PyTorch's ``cross_entropy(label_smoothing=e)``)."""
     _load_torch()
     w = _as_torch(params, grad=True)
     tok, tgt = _ints(tokens, "tokens"), _ints(targets, "targets")
@@ -172,6 +182,8 @@ def loss_and_grads(
     z = _forward(w, cfg, tok, _ints(pos, "pos"), _ints(doc, "doc"))  # (B, T, V)
     logp = torch.log_softmax(z, dim=-1)
     nll = -logp.gather(-1, tgt[..., None])[..., 0]  # (B, T)
+    if label_smoothing:
+        nll = (1.0 - label_smoothing) * nll - label_smoothing * logp.mean(dim=-1)
     loss = (mask * nll).sum() / float(normalizer)
     names = list(w)
     grads = torch.autograd.grad(loss, [w[n] for n in names], allow_unused=True)

@@ -28,6 +28,20 @@ Clipping scales every gradient by ``min(1, clip / (norm + 1e-6))`` where
 AdamW is ggml's ``opt_step_adamw`` (PyTorch's decoupled weight decay), with
 one hyper-parameter vector for decayed tensors and one for the rest.
 
+Inputs (``Feed``). What a batch uploads besides the labels is the model's
+``feed`` (optional; default ``TokenFeed``: token ids, positions, the
+block-causal mask and the keep column of a (B, T) token batch). A model
+that is not a language model (the ViT of toy-vit) gives its own feed: its
+input tensors, how a batch object fills them, and how many logits rows N
+a (B, T) micro-batch has (a classifier: one row per image, T = 1). Every
+batch object has ``targets`` and ``loss_mask`` (N values, any shape);
+the engine builds the label rows from them.
+
+Label smoothing (``label_smoothing`` = e, default 0): a kept row's label is
+``(1 - e) * one_hot + e / V`` instead of the one-hot row, so the loss is
+PyTorch's ``cross_entropy(..., label_smoothing=e)``. With e = 0 the labels
+are exactly the one-hot rows.
+
 Memory: parameters and the two AdamW moments live in one allocated
 context on the runtime's device (3x the F32 model); activations and
 gradients come from the runtime's scheduler, which reuses memory between
@@ -38,7 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -66,7 +80,9 @@ class ParamSpec:
 
 
 class TrainModel(Protocol):
-    """What an architecture gives the engine."""
+    """What an architecture gives the engine. ``n_vocab`` is the width of
+    a logits row (the vocabulary; the class count of a classifier).
+    Optional: ``feed``, the model's ``Feed`` (default ``TokenFeed()``)."""
 
     n_vocab: int
 
@@ -94,6 +110,55 @@ class BatchInputs:
     pos: toy_ggml.Tensor  # I32 (N,)
     mask: toy_ggml.Tensor  # F32 (B, 1, T, T) additive attention mask
     keep: toy_ggml.Tensor  # F32 (N, 1): 1 where the row has a target
+
+
+class Feed(Protocol):
+    """The input side of a model's batch graph (see the module docstring)."""
+
+    def rows(self, batch: int, context: int) -> int:
+        """Logits rows N of a (batch, context) micro-batch."""
+        ...
+
+    def make(self, ctx: toy_ggml.Context, batch: int, context: int) -> Any:
+        """The input tensors, created in ``ctx`` (allocated afterwards by
+        the engine); the object is what ``TrainModel.logits`` gets."""
+        ...
+
+    def upload(self, inputs: Any, batch: Any) -> None:
+        """Set the input tensors from a batch object."""
+        ...
+
+
+class TokenFeed:
+    """The language models' feed: a ``toy.train.data.Batch`` of (B, T)
+    token ids, positions and document ids."""
+
+    def rows(self, batch: int, context: int) -> int:
+        return batch * context
+
+    def make(self, ctx: toy_ggml.Context, batch: int, context: int) -> BatchInputs:
+        if context < 2:
+            raise ValueError(f"context={context} out of range (a token batch needs at least 2)")
+        n = batch * context
+        return BatchInputs(
+            batch,
+            context,
+            ctx.tensor(I32, (n,), name="tokens"),
+            ctx.tensor(I32, (n,), name="pos"),
+            ctx.tensor(F32, (batch, 1, context, context), name="mask"),
+            ctx.tensor(F32, (n, 1), name="keep"),
+        )
+
+    def upload(self, inputs: BatchInputs, batch) -> None:
+        B, T = inputs.batch, inputs.context
+        tokens = np.asarray(batch.tokens, np.int32)
+        if tokens.shape != (B, T):
+            raise ValueError(f"batch of shape {tokens.shape}, the engine was built for ({B}, {T})")
+        keep = np.asarray(batch.loss_mask, np.float32).reshape(-1)
+        inputs.tokens.set(tokens.reshape(-1))
+        inputs.pos.set(np.asarray(batch.pos, np.int32).reshape(-1))
+        inputs.mask.set(block_causal_mask(np.asarray(batch.doc), block_causal=True))
+        inputs.keep.set((keep > 0).astype(np.float32).reshape(-1, 1))
 
 
 @dataclass
@@ -128,16 +193,22 @@ class TrainEngine:
         batch: int,
         context: int,
         accum: int = 1,
+        label_smoothing: float = 0.0,
     ):
-        if batch < 1 or context < 2 or accum < 1:
+        if batch < 1 or context < 1 or accum < 1:
             raise ValueError(f"batch={batch}, context={context}, accum={accum} out of range")
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing={label_smoothing} out of range [0, 1)")
         self.model, self.runtime, self.optim = model, runtime, optim.validate()
         self.batch, self.context, self.accum = batch, context, accum
+        self.label_smoothing = float(label_smoothing)
+        self.feed: Feed = getattr(model, "feed", None) or TokenFeed()
         self.specs = model.param_specs()
         self.n_vocab = model.n_vocab
-        n = batch * context
+        n = self.n_rows = self.feed.rows(batch, context)
         self._labels_host = np.zeros((n, self.n_vocab), np.float32)
         self._label_cols = np.zeros(n, np.int64)
+        self._labels_dense = False  # whether the host labels hold smoothed rows
 
         # parameters, moments, accumulators and inputs: one allocated context
         n_state = len(self.specs) * (4 if accum > 1 else 3)
@@ -153,14 +224,7 @@ class TrainEngine:
             self._v[s.name] = st.tensor(F32, s.shape, name=f"adam_v.{s.name}")
             if accum > 1:
                 self._acc[s.name] = st.tensor(F32, s.shape, name=f"grad_acc.{s.name}")
-        self.inputs = BatchInputs(
-            batch,
-            context,
-            st.tensor(I32, (n,), name="tokens"),
-            st.tensor(I32, (n,), name="pos"),
-            st.tensor(F32, (batch, 1, context, context), name="mask"),
-            st.tensor(F32, (n, 1), name="keep"),
-        )
+        self.inputs = self.feed.make(st, batch, context)
         self._labels = st.tensor(F32, (n, self.n_vocab), name="labels")
         self._loss_scale = st.tensor(F32, (1,), name="loss_scale")
         self._hp = {True: st.tensor(F32, (7,), name="adamw_decay"), False: st.tensor(F32, (7,), name="adamw_no_decay")}
@@ -251,26 +315,29 @@ class TrainEngine:
 
     # ------------------------------------------------------------------ data
 
-    def _upload(self, batch, scale: float) -> None:
-        B, T = self.batch, self.context
-        tokens = np.asarray(batch.tokens, np.int32)
-        if tokens.shape != (B, T):
-            raise ValueError(f"batch of shape {tokens.shape}, the engine was built for ({B}, {T})")
+    def _upload(self, batch, scale: float, smooth: bool = True) -> None:
+        self.feed.upload(self.inputs, batch)  # checks the batch's shape
         keep = np.asarray(batch.loss_mask, np.float32).reshape(-1)
         targets = np.asarray(batch.targets, np.int64).reshape(-1)
+        n = self.n_rows
+        if keep.shape != (n,) or targets.shape != (n,):
+            raise ValueError(f"batch with {targets.size} targets, the engine was built for {n} rows")
         if ((targets < 0) | (targets >= self.n_vocab))[keep > 0].any():
-            raise ValueError(f"a target token is outside the vocabulary (0..{self.n_vocab - 1})")
-        rows = np.arange(B * T)
+            raise ValueError(f"a target is outside the vocabulary (the labels 0..{self.n_vocab - 1})")
+        rows = np.arange(n)
         lab = self._labels_host
-        lab[rows, self._label_cols] = 0.0  # clear the previous batch's ones
         cols = np.where(keep > 0, targets, 0)
-        lab[rows, cols] = keep > 0
-        self._label_cols = cols
-        inp = self.inputs
-        inp.tokens.set(tokens.reshape(-1))
-        inp.pos.set(np.asarray(batch.pos, np.int32).reshape(-1))
-        inp.mask.set(block_causal_mask(np.asarray(batch.doc), block_causal=True))
-        inp.keep.set((keep > 0).astype(np.float32).reshape(-1, 1))
+        e = self.label_smoothing if smooth else 0.0
+        if e > 0.0:
+            lab[:] = ((keep > 0) * (e / self.n_vocab)).astype(np.float32)[:, None]
+            lab[rows, cols] += np.float32(1.0 - e) * (keep > 0)
+        else:
+            if self._labels_dense:
+                lab[:] = 0.0  # the previous upload was smoothed: every entry was set
+            else:
+                lab[rows, self._label_cols] = 0.0  # clear the previous batch's ones
+            lab[rows, cols] = keep > 0
+        self._label_cols, self._labels_dense = cols, e > 0.0
         self._labels.set(lab)
         self._loss_scale.set(np.array([scale], np.float32))
 
@@ -298,7 +365,7 @@ class TrainEngine:
         n_targets = int(sum(int(np.count_nonzero(np.asarray(b.loss_mask))) for b in micro_batches))
         if n_targets == 0:
             raise ValueError("the step's micro-batches have no target token")
-        scale = self.batch * self.context / n_targets
+        scale = self.n_rows / n_targets
         for d in (True, False):
             self._hp[d].set(np.array(adamw_hparams(self.optim, lr, self.step, d), np.float32))
         total = 0.0
@@ -330,7 +397,7 @@ class TrainEngine:
             self._graphs["probe"] = g
         total, grads = 0.0, {}
         for i, b in enumerate(micro_batches):
-            self._upload(b, self.batch * self.context / n_targets)
+            self._upload(b, self.n_rows / n_targets)
             self._before(i)
             total += self._run(g)
             for name, t in g.grads.items():
@@ -339,17 +406,19 @@ class TrainEngine:
 
     def eval_nll(self, batch) -> tuple[float, int]:
         """(sum of NLL over the batch's targets, number of targets) without
-        touching the parameters."""
+        touching the parameters (plain NLL: no label smoothing)."""
         n = int(np.count_nonzero(np.asarray(batch.loss_mask)))
         if n == 0:
             return 0.0, 0
-        self._upload(batch, float(self.batch * self.context))
+        self._upload(batch, float(self.n_rows), smooth=False)
         return self._run(self._get("eval")), n
 
     def next_token_logits(self, ids) -> np.ndarray:
         """Logits (V,) after the token ids (the last ``context`` of them),
         from a one-row forward graph over the current parameters (for
         sample generations during training; no KV cache)."""
+        if not isinstance(self.feed, TokenFeed):
+            raise TypeError("next_token_logits: the model is not a language model (its feed is not TokenFeed)")
         ids = np.asarray(ids, np.int32).reshape(-1)[-self.context :]
         if len(ids) == 0:
             raise ValueError("next_token_logits: no tokens")
@@ -410,4 +479,4 @@ class TrainEngine:
         self._state.close()
 
 
-__all__ = ["BatchInputs", "ParamSpec", "StepResult", "TrainEngine", "TrainModel"]
+__all__ = ["BatchInputs", "Feed", "ParamSpec", "StepResult", "TokenFeed", "TrainEngine", "TrainModel"]
