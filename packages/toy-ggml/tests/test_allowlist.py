@@ -200,14 +200,15 @@ def test_abort_only_ops_are_count_and_default(backward_source):
 
 
 def test_patched_ops_present(backward_source):
-    # NORM and GELU come from toy's patches; an unpatched tree would lack them
-    assert "NORM" in tg.BACKWARD_OPS and "GELU" in tg.BACKWARD_UNARY_OPS
+    # NORM, GELU and GELU_ERF come from toy's patches; an unpatched tree would lack them
+    assert "NORM" in tg.BACKWARD_OPS and {"GELU", "GELU_ERF"} <= tg.BACKWARD_UNARY_OPS
     labels = dict(_op_labels(backward_source))
     assert "GGML_OP_NORM" in labels, "ggml.c lacks the NORM backward: is patches/0001 applied?"
     unary = dict(
         _top_level_labels(_switch_body(labels["GGML_OP_UNARY"], r"switch\s*\(\s*ggml_get_unary_op\(tensor\)\s*\)\s*\{"))
     )
     assert "GGML_UNARY_OP_GELU" in unary, "ggml.c lacks the GELU backward: is patches/0002 applied?"
+    assert "GGML_UNARY_OP_GELU_ERF" in unary, "ggml.c lacks the GELU_ERF backward: is patches/0010 applied?"
 
 
 def test_backward_unary_ops_match_ggml(backward_source, enum_to_name):

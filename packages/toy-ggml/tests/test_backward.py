@@ -14,17 +14,19 @@ order 1-10 divided by the step (~1e-4) and the O(eps**2) truncation error of
 central differences for the smooth ops here (~1e-4). Non-smooth ops (relu, max
 pooling) get inputs at least 5 * eps away from their kinks.
 
-The two ops whose backward toy patches in (NORM and GELU, see
+The ops whose backward toy patches in (NORM, GELU and GELU_ERF, see
 packages/toy-ggml/patches/) are also compared with a NumPy float64 reference of
-the analytic derivative, to ~1e-4 relative. GELU's CPU forward rounds its input
-to float16 and reads a float16 table, so finite differences of it agree with
-the true derivative only to about 1e-2 (and use a larger step).
+the analytic derivative, to ~1e-4 relative (GELU_ERF: to float32 rounding).
+GELU's CPU forward rounds its input to float16 and reads a float16 table, so
+finite differences of it agree with the true derivative only to about 1e-2
+(and use a larger step).
 
 Expected values come only from NumPy or finite differences.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -252,6 +254,61 @@ def test_gelu_analytic(rt, rng):
     (gx,), _, up = ggml_grads(rt, lambda c, t: c.gelu(t), [x])
     expected = up.astype(np.float64) * _gelu_prime(x.astype(np.float64))
     np.testing.assert_allclose(gx, expected, rtol=1e-4, atol=1e-6)
+
+
+# inputs for GELU_ERF: 0, -0, tiny, subnormal, moderate, the tails and far out
+_GELU_ERF_SPECIAL = np.array(
+    [0.0, -0.0, 1e-30, -1e-30, 1e-40, -1e-40, 1e-7, -1e-7, 1.0, -1.0, 3.0, -3.0]
+    + [5.0, -5.0, 10.0, -10.0, 30.0, -30.0, 1e4, -1e4],
+    np.float32,
+)
+
+
+def _gelu_erf_prime(x):
+    # d/dx 0.5 x (1 + erf(x/sqrt2)) = Phi(x) + x phi(x); Phi via erfc (no cancellation at x << 0)
+    x = np.asarray(x, np.float64)
+    cdf = np.array([0.5 * math.erfc(-v / math.sqrt(2.0)) for v in x.ravel()]).reshape(x.shape)
+    return cdf + x * np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+
+
+def test_gelu_erf_finite_differences(rt, rng):
+    # The forward is float32 erff (no table), so the default step works with tighter
+    # tolerances: central-difference truncation eps**2/6 * max|third derivative| (~0.6)
+    # ~ 1e-5, float32 rounding of a loss of order 10 over the 2e-2 step ~ 5e-5 (measured:
+    # max |grad - fd| 2.3e-5).
+    x = np.concatenate([_normal(rng, (2, 8), 2.0).ravel(), [0.0, 1e-6, -1e-6, 0.5, -0.5, 10.0, -10.0, 2.0]])
+    grad_check(rt, lambda c, t: c.gelu_erf(t), [x.astype(np.float32).reshape(3, 8)], rtol=1e-3, atol=3e-4)
+
+
+def test_gelu_erf_analytic(rt, rng):
+    # patched backward (0010-gelu-erf-backward.patch) vs the exact derivative in float64.
+    # float32 error of Phi + x phi: erff and the 0.5 erf + 0.5 rounding are absolute,
+    # <~ 2**-24 each (this is what is left where Phi cancels, x << 0); phi's exp argument
+    # -x**2/2 carries a relative 2**-23 (1 + x**2/2), i.e. < 0.42 * 2**-22 absolute on
+    # x phi(x); the final products are a few ulp relative. So |err| <= 1e-6 |ref| +
+    # 2**-21 |upstream|. Measured on x in [-12, 12]: |err| <= 2.2 * 2**-24 (max err/tol 0.11),
+    # relative <= 5e-7 where |gelu_erf'| > 0.1.
+    x = np.concatenate([_GELU_ERF_SPECIAL, _normal(rng, (44,), 2.5).ravel()]).astype(np.float32).reshape(4, 16)
+    (gx,), _, up = ggml_grads(rt, lambda c, t: c.gelu_erf(t), [x])
+    assert np.all(np.isfinite(gx))
+    up64 = up.astype(np.float64)
+    expected = up64 * _gelu_erf_prime(x)
+    err = np.abs(gx - expected)
+    tol = 1e-6 * np.abs(expected) + 2.0**-21 * np.abs(up64)
+    assert np.all(err <= tol), f"worst x={x.flat[np.argmax(err - tol)]}: err {err.max():.3g}"
+    # exact where the float32 formula is: gelu_erf'(+-0) = 0.5 (no 0/0), 1 and 0 far out
+    flat_g, flat_up = gx.ravel(), up64.ravel()
+    for i, d in [(0, 0.5), (1, 0.5), (_GELU_ERF_SPECIAL.size - 2, 1.0), (_GELU_ERF_SPECIAL.size - 1, 0.0)]:
+        assert flat_g[i] == np.float32(flat_up[i] * d), (x.flat[i], flat_g[i], flat_up[i])
+
+
+def test_gelu_erf_differs_from_gelu_tanh(rt):
+    # Not the tanh formula by mistake: near |x| ~ 2 the exact derivative and the tanh
+    # approximation's differ by up to 8.7e-4 (at |x| = 2), far above either's error.
+    x = np.array([[-2.5, -2.0, -1.5, 1.5, 2.0, 2.5]], np.float32)
+    (g_erf,), _, _ = ggml_grads(rt, lambda c, t: c.gelu_erf(t), [x], upstream=np.ones_like(x))
+    np.testing.assert_allclose(g_erf, _gelu_erf_prime(x), rtol=1e-6, atol=2.0**-21)
+    assert np.max(np.abs(_gelu_erf_prime(x) - _gelu_prime(x.astype(np.float64)))) > 5e-4
 
 
 def test_swiglu(rt, rng):
@@ -653,6 +710,7 @@ _TRANSPOSED_CONSUMER_CASES = [
     ("neg", "c.neg(a[0])", 1, "[]", None),
     ("silu", "c.silu(a[0])", 1, "[]", None),
     ("gelu", "c.gelu(a[0])", 1, "[]", None),
+    ("gelu_erf", "c.gelu_erf(a[0])", 1, "[]", None),
     ("swiglu", "c.swiglu(a[0], a[1])", 2, "[]", None),
     ("sum_rows", "c.repeat(c.sum_rows(a[0]), (4, 4))", 1, "[]", None),
     ("mean", "c.repeat(c.mean(a[0]), (4, 4))", 1, "[]", None),

@@ -20,12 +20,13 @@ BACKWARD_OPS = frozenset({
 # ggml_unary_op_name() names with a backward case.
 BACKWARD_UNARY_OPS = frozenset({
     "ABS", "SGN", "NEG", "STEP", "RELU", "SILU", "EXP", "EXPM1", "SOFTPLUS", "GELU",
+    "GELU_ERF",
 })
 # ggml_glu_op_name() names with a backward case (split form only).
 BACKWARD_GLU_OPS = frozenset({"SWIGLU"})
 
 # Tensors a backward pass may create per forward node (upper bounds: GELU's
-# composed derivative makes about 14, NORM's about 12).
+# composed derivative makes about 14, NORM's about 12, GELU_ERF's about 10).
 cdef int _BACKWARD_TENSORS_PER_NODE = 24
 
 cdef dict _OP_ID = {}
