@@ -65,9 +65,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,41 +75,14 @@ from toy.train import checkpoint
 from toy.train.config import TrainConfig, from_dict, to_dict
 from toy.train.engine import TrainEngine
 from toy.train.model import ArchTrain, init_params, model_config
-from toy.train.optim import lr_at
-
-
-class TrainingDivergedError(ToyError):
-    """The loss became NaN or infinite."""
-
-
-class TrainingIOError(ToyError):
-    """An OSError (a full disk, a read-only folder) stopped the run; the
-    message names the file and the last good checkpoint (exit 1)."""
-
-
-@dataclass
-class Hooks:
-    """Callbacks of a run (all optional). ``progress(info)`` after every step
-    with the step event's fields plus ``total``; ``note(text)`` for log
-    lines (tokenizer training, token cache, checkpoints, evals);
-    ``should_stop()`` polled after every step; ``phase(label, done, total)``
-    for the long set-up work (tokenizer training, tokenizing the corpus)."""
-
-    progress: Callable[[dict[str, Any]], None] | None = None
-    note: Callable[[str], None] | None = None
-    should_stop: Callable[[], bool] | None = None
-    phase: Callable[[str, int, int], None] | None = None
-
-
-@dataclass
-class RunResult:
-    run_id: str
-    run_dir: Path
-    reason: str
-    final_step: int
-    final_loss: float | None
-    val_loss: float | None
-    checkpoint: Path | None
+from toy.train.steploop import (
+    Hooks,
+    RunResult,
+    StepRun,
+    TrainingDivergedError,
+    TrainingIOError,
+    open_for_resume,
+)
 
 
 def _threads(n: int | None) -> int:
@@ -159,7 +129,7 @@ def _doc_separator(tok) -> int:
     return int(eos)
 
 
-class _Run:
+class _Run(StepRun):
     def __init__(
         self,
         cfg: TrainConfig,
@@ -213,7 +183,7 @@ class _Run:
         self.rng = np.random.default_rng(cfg.seed)
         if "rng" in st:
             self.rng.bit_generator.state = st["rng"]
-        self.tokens_seen = int(st.get("tokens_seen", 0))
+        self.seen = int(st.get("tokens_seen", 0))  # tokens
         self.val = D.validation_batches(self.data, cfg.batch_size, cfg.eval_batches or None) if self.data.n_val else []
         self.n_params = int(sum(int(np.prod(s.shape)) for s in self.engine.specs))
         self.tok_source = tok_source
@@ -252,11 +222,9 @@ class _Run:
                     hint="free some space (or fix the folder) and try again",
                 ) from e
             raise
-        self.ckpt_dir = self.writer.dir / "checkpoints"
-        self.last_loss: float | None = None
-        self.last_val: float | None = None
-        self.last_ckpt: Path | None = ckpt.model_path if ckpt else None
-        self.saved_step = ckpt.step if ckpt else -1
+        self.init_counters(ckpt)
+        self.per_step = cfg.batch_size * cfg.context * cfg.grad_accum
+        self.eval_at_start = self.setup is not None
 
     def _text_setup(self, cfg: TrainConfig, hooks: Hooks, ckpt):
         """Tokenizer, token cache and packed windows of a text corpus, and the
@@ -345,142 +313,28 @@ class _Run:
 
         return D.BatchStream(self.data, self.cfg.batch_size, self.cfg.seed).next()
 
-    def save(self) -> None:
-        step = self.engine.step
-        if step == self.saved_step:
-            return
-        state = {
+    def state(self) -> dict[str, Any]:
+        return {
             "config": to_dict(self.cfg),
             "data": self.stream.state(),
             "rng": self.rng.bit_generator.state,
-            "tokens_seen": self.tokens_seen,
+            "tokens_seen": self.seen,
             "tokenizer_source": self.tok_source,
             **(self.setup.state if self.setup else {}),
         }
-        path = checkpoint.save(  # CheckpointWriteError: run() adds the last good checkpoint
-            self.ckpt_dir,
-            step=step,
-            cfg=self.model_cfg,
-            params=self.engine.param_values(),
-            optimizer=self.engine.optimizer_state(),
-            tokenizer_metadata=self.tok_meta,
-            state=state,
-            run_id=self.writer.run_id,
-            keep=self.cfg.keep_checkpoints,
-            write_model=self.setup.write_model if self.setup else None,
-        )
-        self.saved_step = step
-        self.last_ckpt = path
-        self.writer.event("checkpoint", step=step, path=str(path.relative_to(self.writer.dir)))
-        if self.hooks.note:
-            self.hooks.note(f"step {step}: checkpoint {path}")
 
-    def _io_error(self, e: BaseException) -> TrainingIOError | None:
-        """An OSError (or a failed checkpoint write) as the error to report:
-        what could not be written, and what is left to resume from."""
-        if isinstance(e, checkpoint.CheckpointWriteError):
-            what = str(e)
-        elif isinstance(e, OSError) and not isinstance(e, (BlockingIOError, InterruptedError)):
-            where = e.filename if e.filename else f"the run's files in {self.writer.dir}"
-            what = f"could not write {where}: {e.strerror or e}"
-        else:
-            return None
-        if self.last_ckpt is not None and self.saved_step >= 0:
-            return TrainingIOError(
-                f"{what}; the last good checkpoint is step_{self.saved_step} ({self.last_ckpt})",
-                hint=f"free some space (or fix the folder), then go on from it: toy train --resume {self.writer.dir}",
-            )
-        return TrainingIOError(
-            f"{what}; no checkpoint had been written yet, so there is nothing to resume",
-            hint="free some space (or fix the folder) and start the run again",
-        )
+    def checkpoint_kwargs(self) -> dict[str, Any]:
+        return {
+            "cfg": self.model_cfg,
+            "tokenizer_metadata": self.tok_meta,
+            "write_model": self.setup.write_model if self.setup else None,
+        }
 
-    # -------------------------------------------------------------- loop
-
-    def run(self) -> RunResult:
-        try:
-            return self._run()
-        finally:  # after run_end: the lock covers every write of the run
-            if self.lock is not None:
-                self.lock.release()
-
-    def _run(self) -> RunResult:
-        cfg, eng, hooks = self.cfg, self.engine, self.hooks
-        reason = "completed"
-        per_step_tokens = cfg.batch_size * cfg.context * cfg.grad_accum
-        sample_every = cfg.sample_every or cfg.save_every
-        try:
-            if self.setup is not None and eng.step == 0 and cfg.eval_every:
-                self.evaluate()  # a fine-tune's baseline: the base model's validation loss
-            while eng.step < cfg.steps:
-                if hooks.should_stop and hooks.should_stop():
-                    reason = "interrupted"  # also before the first step (e.g. during tokenizing)
-                    break
-                t0 = time.perf_counter()
-                batches = [self.stream.next() for _ in range(cfg.grad_accum)]
-                lr = lr_at(cfg.optim, eng.step, cfg.steps)
-                r = eng.train_step(batches, lr)
-                dt = time.perf_counter() - t0
-                self.tokens_seen += per_step_tokens
-                if not math.isfinite(r.loss):
-                    raise TrainingDivergedError(
-                        f"the loss became {r.loss} at step {eng.step}",
-                        hint="lower the learning rate (optim.lr) or keep gradient clipping on",
-                    )
-                self.last_loss = r.loss
-                ev = dict(
-                    step=eng.step,
-                    loss=r.loss,
-                    lr=lr,
-                    tokens=self.tokens_seen,
-                    tokens_per_s=per_step_tokens / dt,
-                    grad_norm=r.grad_norm,
-                    wall_us=int(dt * 1e6),
-                    epoch=self.stream.epoch,
-                )
-                self.writer.event("step", **ev)
-                if hooks.progress:
-                    hooks.progress({**ev, "total": cfg.steps})
-                last = eng.step == cfg.steps
-                if (cfg.eval_every and eng.step % cfg.eval_every == 0) and not last:
-                    self.evaluate()
-                if sample_every and eng.step % sample_every == 0 and not last:
-                    self.sample()
-                if cfg.save_every and eng.step % cfg.save_every == 0 and not last:
-                    self.save()
-            if reason == "completed":
-                self.evaluate()
-                self.sample()
-            self.save()
-        except BaseException as e:
-            io = self._io_error(e)
-            try:
-                self.writer.end(
-                    "interrupted" if isinstance(e, KeyboardInterrupt) else "errored",
-                    final_step=eng.step,
-                    final_loss=self.last_loss,
-                    error=f"{type(e).__name__}: {io or e}",
-                )
-            except Exception:  # noqa: BLE001 - a full disk fails this too; the first error is the one to report
-                pass
-            if io is not None:
-                raise io from e
-            raise
-        finally:
-            eng.close()
-            if self.setup is not None:
-                self.setup.close()
-            self.runtime.close()
-        try:
-            self.writer.end(reason, final_step=eng.step, final_loss=self.last_loss, val_loss=self.last_val)
-        except OSError as e:
-            raise TrainingIOError(
-                f"the run reached step {eng.step} and wrote its checkpoint {self.last_ckpt}, but could not "
-                f"finish {self.writer.dir / 'events.jsonl'}: {e.strerror or e}"
-            ) from e
-        return RunResult(
-            self.writer.run_id, self.writer.dir, reason, eng.step, self.last_loss, self.last_val, self.last_ckpt
-        )
+    def close(self) -> None:
+        self.engine.close()
+        if self.setup is not None:
+            self.setup.close()
+        self.runtime.close()
 
 
 def train(cfg: TrainConfig, hooks: Hooks | None = None) -> RunResult:
@@ -500,42 +354,44 @@ def resume(run_dir: str | Path, hooks: Hooks | None = None, *, steps: int | None
     """Continue the run in ``run_dir`` from its latest checkpoint, with the
     config it recorded (``steps`` may raise the total: the schedule then
     stretches, so the curve is no longer the uninterrupted one)."""
-    from toy.runs.folder import RunLock
-
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise checkpoint.CheckpointError(f"{run_dir}: no such run folder")
-    if not (run_dir / "checkpoints").is_dir():  # checked before the lock file is made in it
-        raise checkpoint.CheckpointError(f"{run_dir}: not a training run (it has no checkpoints folder)")
     hooks = hooks or Hooks()
-    lock = RunLock(run_dir)  # RunInUseError while another process runs it
+    lock, ck, notes = open_for_resume(run_dir)  # RunInUseError while another process runs it
     try:
-        ckdir = run_dir / "checkpoints"
-        notes = []
-        orphans = checkpoint.remove_orphans(ckdir)
-        if orphans:
-            names = ", ".join(p.name for p in orphans)
-            notes.append(f"removed {len(orphans)} temporary file(s) an interrupted write left behind: {names}")
-        ck = checkpoint.load_resumable(ckdir)
-        for step, err in ck.damaged:
-            checkpoint.set_aside(ckdir, step)
-            notes.append(f"warning: {err}; set aside as step_{step}*.damaged, resuming from step_{ck.step}")
-        if ck.damaged:
-            checkpoint.point_latest(ckdir, ck.step)
-        if not ck.verified:
-            notes.append(f"checkpoint step_{ck.step} has no checksums (an older toy wrote it): not verified")
-        cfg = from_dict(ck.state["config"])
-        if steps is not None:
-            cfg = dataclasses.replace(cfg, steps=steps)
-        if ck.step >= cfg.steps:
-            raise checkpoint.CheckpointError(
-                f"{run_dir}: already at step {ck.step} of {cfg.steps}", hint="pass --steps N with a larger N to go on"
-            )
-        run = _Run(cfg, hooks, resume_from=run_dir, ckpt=ck, lock=lock, notes=notes)
+        task = ck.state.get("task")
+        if task is not None:  # a run of another distribution's task (toy-vit's classifier)
+            resume_task = _task(task, Path(run_dir))
+        else:
+            cfg = from_dict(ck.state["config"])
+            if steps is not None:
+                cfg = dataclasses.replace(cfg, steps=steps)
+            if ck.step >= cfg.steps:
+                raise checkpoint.CheckpointError(
+                    f"{run_dir}: already at step {ck.step} of {cfg.steps}",
+                    hint="pass --steps N with a larger N to go on",
+                )
+            run = _Run(cfg, hooks, resume_from=Path(run_dir), ckpt=ck, lock=lock, notes=notes)
     except BaseException:
         lock.release()
         raise
+    if task is not None:
+        return resume_task(Path(run_dir), hooks, lock=lock, ckpt=ck, notes=notes, steps=steps)
     return run.run()
+
+
+def _task(name: str, run_dir: Path):
+    """The resume function of a training task another distribution
+    registers in the ``toy.train_tasks`` entry-point group (``vit``:
+    toy-vit). It takes over the lock: ``f(run_dir, hooks, *, lock, ckpt,
+    notes, steps)``."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="toy.train_tasks"):
+        if ep.name == name:
+            return ep.load()
+    raise checkpoint.CheckpointError(
+        f"{run_dir}: a {name!r} training run, and no installed package trains {name!r} runs",
+        hint=f"install the package that does (toy-{name})",
+    )
 
 
 __all__ = ["Hooks", "RunResult", "TrainingDivergedError", "TrainingIOError", "resume", "train"]

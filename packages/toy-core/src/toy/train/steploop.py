@@ -1,0 +1,274 @@
+"""The step loop every training task shares: steps, events, evals,
+checkpoints, stopping, errors, and reopening a run to resume it.
+
+A task (the language-model runs of ``toy.train.loop``; toy-vit's image
+classifier) subclasses ``StepRun`` and sets up, in its ``__init__``:
+
+- ``cfg``: an object with ``steps``, ``grad_accum``, ``eval_every``,
+  ``save_every``, ``sample_every`` (0: with each checkpoint),
+  ``keep_checkpoints`` and ``optim`` (``toy.train.optim.OptimConfig``);
+- ``hooks`` (``Hooks``), ``runtime``, ``engine`` (``TrainEngine``),
+  ``stream`` (``next()`` a micro-batch, ``epoch``, ``state()``), ``writer``
+  (``toy.runs.RunWriter``), ``lock`` (``RunLock`` or None), ``ckpt_dir``,
+  ``last_ckpt`` and ``saved_step`` (``init_counters``);
+- ``unit`` (what a step's ``per_step`` counts: "tokens", "images") and
+  ``per_step``; the step events carry ``<unit>`` (seen so far) and
+  ``<unit>_per_s``;
+
+and implements ``evaluate()``, ``sample()``, ``state()`` (what resuming
+needs besides weights and moments: config, data cursor, RNG, counters) and
+``checkpoint_kwargs()`` (the ``toy.train.checkpoint.save`` arguments that
+say how the model file is written). ``close()`` frees what it set up
+(the engine, the runtime, and anything more it overrides).
+
+``run()`` is the loop (its contract is ``toy.train.loop``'s docstring:
+stop polling, divergence, the final eval and checkpoint, ``run_end`` with
+completed | interrupted | errored, an OSError as ``TrainingIOError`` naming
+the file and the last good checkpoint).
+
+``open_for_resume(run_dir)`` takes a run's lock, removes orphaned
+temporary files, finds the newest intact checkpoint (setting damaged ones
+aside) and returns them with the notes to record; a task's ``resume``
+builds its run from that.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from toy.errors import ToyError
+from toy.train import checkpoint
+from toy.train.optim import lr_at
+
+
+class TrainingDivergedError(ToyError):
+    """The loss became NaN or infinite."""
+
+
+class TrainingIOError(ToyError):
+    """A file of the run could not be written (a full disk, a removed
+    folder): the message names it and the last good checkpoint."""
+
+
+@dataclass
+class Hooks:
+    """Callbacks of a run (all optional). ``progress(info)`` after every step
+    with the step event's fields plus ``total``; ``note(text)`` for log
+    lines (tokenizer training, token cache, checkpoints, evals);
+    ``should_stop()`` polled after every step; ``phase(label, done, total)``
+    for the long set-up work (tokenizer training, tokenizing the corpus)."""
+
+    progress: Callable[[dict[str, Any]], None] | None = None
+    note: Callable[[str], None] | None = None
+    should_stop: Callable[[], bool] | None = None
+    phase: Callable[[str, int, int], None] | None = None
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    run_dir: Path
+    reason: str
+    final_step: int
+    final_loss: float | None
+    val_loss: float | None
+    checkpoint: Path | None
+
+
+class StepRun:
+    unit = "tokens"
+    per_step = 0
+    eval_at_start = False  # fine-tunes: the base model's validation loss at step 0
+
+    def init_counters(self, ckpt: checkpoint.Resumable | None) -> None:
+        self.ckpt_dir = self.writer.dir / "checkpoints"
+        self.last_loss: float | None = None
+        self.last_val: float | None = None
+        self.last_ckpt: Path | None = ckpt.model_path if ckpt else None
+        self.saved_step = ckpt.step if ckpt else -1
+
+    # -------------------------------------------------------------- the task's part
+
+    def evaluate(self) -> float | None:
+        raise NotImplementedError
+
+    def sample(self) -> None:
+        pass
+
+    def state(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def checkpoint_kwargs(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.engine.close()
+        self.runtime.close()
+
+    # -------------------------------------------------------------- checkpoints
+
+    def save(self) -> None:
+        step = self.engine.step
+        if step == self.saved_step:
+            return
+        path = checkpoint.save(  # CheckpointWriteError: run() adds the last good checkpoint
+            self.ckpt_dir,
+            step=step,
+            params=self.engine.param_values(),
+            optimizer=self.engine.optimizer_state(),
+            state=self.state(),
+            run_id=self.writer.run_id,
+            keep=self.cfg.keep_checkpoints,
+            **self.checkpoint_kwargs(),
+        )
+        self.saved_step = step
+        self.last_ckpt = path
+        self.writer.event("checkpoint", step=step, path=str(path.relative_to(self.writer.dir)))
+        if self.hooks.note:
+            self.hooks.note(f"step {step}: checkpoint {path}")
+
+    def _io_error(self, e: BaseException) -> TrainingIOError | None:
+        """An OSError (or a failed checkpoint write) as the error to report:
+        what could not be written, and what is left to resume from."""
+        if isinstance(e, checkpoint.CheckpointWriteError):
+            what = str(e)
+        elif isinstance(e, OSError) and not isinstance(e, (BlockingIOError, InterruptedError)):
+            where = e.filename if e.filename else f"the run's files in {self.writer.dir}"
+            what = f"could not write {where}: {e.strerror or e}"
+        else:
+            return None
+        if self.last_ckpt is not None and self.saved_step >= 0:
+            return TrainingIOError(
+                f"{what}; the last good checkpoint is step_{self.saved_step} ({self.last_ckpt})",
+                hint=f"free some space (or fix the folder), then go on from it: toy train --resume {self.writer.dir}",
+            )
+        return TrainingIOError(
+            f"{what}; no checkpoint had been written yet, so there is nothing to resume",
+            hint="free some space (or fix the folder) and start the run again",
+        )
+
+    # -------------------------------------------------------------- loop
+
+    def run(self) -> RunResult:
+        try:
+            return self._run()
+        finally:  # after run_end: the lock covers every write of the run
+            if self.lock is not None:
+                self.lock.release()
+
+    def _run(self) -> RunResult:
+        cfg, eng, hooks = self.cfg, self.engine, self.hooks
+        reason = "completed"
+        per_step = self.per_step
+        sample_every = cfg.sample_every or cfg.save_every
+        try:
+            if self.eval_at_start and eng.step == 0 and cfg.eval_every:
+                self.evaluate()
+            while eng.step < cfg.steps:
+                if hooks.should_stop and hooks.should_stop():
+                    reason = "interrupted"  # also before the first step (e.g. during tokenizing)
+                    break
+                t0 = time.perf_counter()
+                batches = [self.stream.next() for _ in range(cfg.grad_accum)]
+                lr = lr_at(cfg.optim, eng.step, cfg.steps)
+                r = eng.train_step(batches, lr)
+                dt = time.perf_counter() - t0
+                self.seen += per_step
+                if not math.isfinite(r.loss):
+                    raise TrainingDivergedError(
+                        f"the loss became {r.loss} at step {eng.step}",
+                        hint="lower the learning rate (optim.lr) or keep gradient clipping on",
+                    )
+                self.last_loss = r.loss
+                ev = {
+                    "step": eng.step,
+                    "loss": r.loss,
+                    "lr": lr,
+                    self.unit: self.seen,
+                    f"{self.unit}_per_s": per_step / dt,
+                    "grad_norm": r.grad_norm,
+                    "wall_us": int(dt * 1e6),
+                    "epoch": self.stream.epoch,
+                }
+                self.writer.event("step", **ev)
+                if hooks.progress:
+                    hooks.progress({**ev, "total": cfg.steps})
+                last = eng.step == cfg.steps
+                if (cfg.eval_every and eng.step % cfg.eval_every == 0) and not last:
+                    self.evaluate()
+                if sample_every and eng.step % sample_every == 0 and not last:
+                    self.sample()
+                if cfg.save_every and eng.step % cfg.save_every == 0 and not last:
+                    self.save()
+            if reason == "completed":
+                self.evaluate()
+                self.sample()
+            self.save()
+        except BaseException as e:
+            io = self._io_error(e)
+            try:
+                self.writer.end(
+                    "interrupted" if isinstance(e, KeyboardInterrupt) else "errored",
+                    final_step=eng.step,
+                    final_loss=self.last_loss,
+                    error=f"{type(e).__name__}: {io or e}",
+                )
+            except Exception:  # noqa: BLE001 - a full disk fails this too; the first error is the one to report
+                pass
+            if io is not None:
+                raise io from e
+            raise
+        finally:
+            self.close()
+        try:
+            self.writer.end(reason, final_step=eng.step, final_loss=self.last_loss, val_loss=self.last_val)
+        except OSError as e:
+            raise TrainingIOError(
+                f"the run reached step {eng.step} and wrote its checkpoint {self.last_ckpt}, but could not "
+                f"finish {self.writer.dir / 'events.jsonl'}: {e.strerror or e}"
+            ) from e
+        return RunResult(
+            self.writer.run_id, self.writer.dir, reason, eng.step, self.last_loss, self.last_val, self.last_ckpt
+        )
+
+
+def open_for_resume(run_dir: str | Path):
+    """(lock, checkpoint, notes) of the run in ``run_dir``: its lock held
+    (``RunInUseError`` while another process runs it), orphaned temporary
+    files removed, damaged newer checkpoints set aside, the newest intact
+    one loaded. The caller releases the lock if it does not go on."""
+    from toy.runs.folder import RunLock
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise checkpoint.CheckpointError(f"{run_dir}: no such run folder")
+    if not (run_dir / "checkpoints").is_dir():  # checked before the lock file is made in it
+        raise checkpoint.CheckpointError(f"{run_dir}: not a training run (it has no checkpoints folder)")
+    lock = RunLock(run_dir)
+    try:
+        ckdir = run_dir / "checkpoints"
+        notes = []
+        orphans = checkpoint.remove_orphans(ckdir)
+        if orphans:
+            names = ", ".join(p.name for p in orphans)
+            notes.append(f"removed {len(orphans)} temporary file(s) an interrupted write left behind: {names}")
+        ck = checkpoint.load_resumable(ckdir)
+        for step, err in ck.damaged:
+            checkpoint.set_aside(ckdir, step)
+            notes.append(f"warning: {err}; set aside as step_{step}*.damaged, resuming from step_{ck.step}")
+        if ck.damaged:
+            checkpoint.point_latest(ckdir, ck.step)
+        if not ck.verified:
+            notes.append(f"checkpoint step_{ck.step} has no checksums (an older toy wrote it): not verified")
+    except BaseException:
+        lock.release()
+        raise
+    return lock, ck, notes
+
+
+__all__ = ["Hooks", "RunResult", "StepRun", "TrainingDivergedError", "TrainingIOError", "open_for_resume"]
