@@ -50,8 +50,9 @@ the saving is toy's.
 Every record carries the threads, the shapes, the 1-minute load average
 before and after the timed rounds (and all three at the end), the CPU
 model and toy's CPU variant. ``TOY_BENCH_QUICK=1`` times fewer calls and
-steps (about 2 minutes on 2 idle cores; the full run about 5). A missed
-target does not fail the benchmark; an error or a disagreement does.
+steps (measured: 111 s on 2 lightly loaded cores, load average 0.5-1.2;
+the full run adds about a minute of timed work). A missed target does not
+fail the benchmark; an error or a disagreement does.
 """
 
 from __future__ import annotations
