@@ -19,6 +19,13 @@ from toy_vit.preprocess import DataError
 REPO = Path(__file__).resolve().parents[3]
 
 
+def _open(path) -> Image.Image:
+    """The file's image, loaded, its file closed."""
+    with Image.open(path) as im:
+        im.load()
+        return im.copy()
+
+
 @pytest.mark.slow  # importing scikit-learn takes seconds
 def test_bundled_digits_equal_scikit_learn():
     datasets = pytest.importorskip("sklearn.datasets")
@@ -61,7 +68,7 @@ def test_write_demo_data_and_read_it_back(tmp_path):
     for f in files[::97]:
         i = int(f.stem)
         assert int(f.parent.name) == d.labels[i]
-        im = Image.open(f)
+        im = _open(f)
         assert im.mode == "L" and im.size == (32, 32)
         a = np.asarray(im)
         np.testing.assert_array_equal(a[::4, ::4], d.images[i])
@@ -77,13 +84,13 @@ def test_write_demo_data_and_read_it_back(tmp_path):
 
 def test_scale_one_and_overwrite(tmp_path):
     out = write_demo_data(tmp_path / "d1", scale=1)
-    a = np.asarray(Image.open(out / "0" / "0000.png"))
+    a = np.asarray(_open(out / "0" / "0000.png"))
     np.testing.assert_array_equal(a, load_digits().images[0])
     with pytest.raises(DataError, match=f"{out}: the folder is not empty") as e:
         write_demo_data(out)
     assert "overwrite" in e.value.hint
     write_demo_data(out, scale=2, overwrite=True)  # overwrite replaces our own output
-    assert Image.open(out / "0" / "0000.png").size == (16, 16)
+    assert _open(out / "0" / "0000.png").size == (16, 16)
     assert len(list(out.glob("*/*.png"))) == 1797
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d1"]  # no temp or old folder left
 
@@ -137,5 +144,5 @@ def test_a_failed_overwrite_keeps_the_old_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(vdigits.os, "rename", rename)
     with pytest.raises(DataError, match="Permission denied"):
         write_demo_data(out, scale=2, overwrite=True)
-    assert Image.open(out / "0" / "0000.png").size == (8, 8)  # the old one, put back
+    assert _open(out / "0" / "0000.png").size == (8, 8)  # the old one, put back
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]

@@ -21,6 +21,13 @@ MEAN3, STD3 = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 MEAN1, STD1 = [0.5], [0.25]
 
 
+def _open(path) -> Image.Image:
+    """The file's image, loaded, its file closed."""
+    with Image.open(path) as im:
+        im.load()
+        return im.copy()
+
+
 def _smooth(h: int, w: int, c: int, seed: int) -> np.ndarray:
     """A photo-like uint8 image: gradients plus a little noise."""
     rng = np.random.default_rng(seed)
@@ -100,7 +107,7 @@ def test_scalar_and_list_statistics_agree(files):
 
 
 def test_rgba_alpha_is_dropped(files):
-    src = np.asarray(Image.open(files["rgba.png"]))
+    src = np.asarray(_open(files["rgba.png"]))
     assert src.shape[2] == 4 and src[:, :, 3].min() < 200  # really translucent somewhere
     np.testing.assert_array_equal(np.asarray(load_image(files["rgba.png"], 3)), src[:, :, :3])
     np.testing.assert_array_equal(np.asarray(load_image(files["rgba.webp"], 3)), src[:, :, :3])
@@ -108,12 +115,12 @@ def test_rgba_alpha_is_dropped(files):
 
 
 def test_grey_conversions_follow_luma_and_replication(files):
-    rgb = np.asarray(Image.open(files["rgb.png"])).astype(np.float64)
+    rgb = np.asarray(_open(files["rgb.png"])).astype(np.float64)
     luma = rgb @ [0.299, 0.587, 0.114]  # ITU-R 601-2, computed independently of Pillow
     got = np.asarray(load_image(files["rgb.png"], 1)).astype(np.float64)
     assert got.shape == luma.shape
     assert np.abs(got - luma).max() <= 1.0
-    g = np.asarray(Image.open(files["grey.png"]))
+    g = np.asarray(_open(files["grey.png"]))
     as_rgb = np.asarray(load_image(files["grey.png"], 3))
     assert as_rgb.shape == (*g.shape, 3)
     for k in range(3):
@@ -126,7 +133,7 @@ def test_palette_with_transparency(tmp_path):
     im = Image.fromarray(idx, "P")
     im.putpalette(pal.ravel().tolist())
     im.save(tmp_path / "p.png", transparency=3)
-    assert "transparency" in Image.open(tmp_path / "p.png").info
+    assert "transparency" in _open(tmp_path / "p.png").info
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # Pillow warns on a careless P -> RGB conversion
         got = np.asarray(load_image(tmp_path / "p.png", 3))
@@ -139,7 +146,7 @@ def test_palette_with_transparency(tmp_path):
 def test_sixteen_bit_grey_keeps_the_high_byte(tmp_path):
     a = (np.arange(64, dtype=np.uint32).reshape(8, 8) * 1031).astype(np.uint16)
     Image.fromarray(a).save(tmp_path / "g16.png")
-    assert Image.open(tmp_path / "g16.png").mode.startswith("I")
+    assert _open(tmp_path / "g16.png").mode.startswith("I")
     np.testing.assert_array_equal(np.asarray(load_image(tmp_path / "g16.png", 1)), (a >> 8).astype(np.uint8))
     np.testing.assert_array_equal(np.asarray(load_image(a, 1)), (a >> 8).astype(np.uint8))
 
@@ -256,7 +263,7 @@ def test_crop_box_falls_back_to_a_centre_crop():
 
 
 def test_pil_image_input_is_not_modified(files):
-    im = Image.open(files["rgba.png"])
+    im = _open(files["rgba.png"])
     out = load_image(im, 3)
     assert im.mode == "RGBA" and out.mode == "RGB"
     buf = io.BytesIO()
