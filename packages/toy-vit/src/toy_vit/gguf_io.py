@@ -84,6 +84,12 @@ def metadata(cfg: ViTConfig, name: str = "vit") -> dict[str, Any]:
     return out
 
 
+def _f32(v) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it
+    (1e-12 reads back as 1e-12, not 9.99999996e-13), so configs round-trip."""
+    return float(str(np.float32(v)))
+
+
 def _whole(metadata: Mapping[str, Any], key: str) -> int:
     if key not in metadata:
         raise ViTFileError(f"the vit model lacks metadata key {key!r}")
@@ -100,7 +106,7 @@ def _floats(metadata: Mapping[str, Any], key: str, n: int) -> tuple[float, ...]:
     arr = np.asarray(v) if not isinstance(v, (str, bytes)) else np.asarray([])
     if arr.ndim != 1 or arr.dtype.kind not in "fiu" or len(arr) != n:
         raise ViTFileError(f"metadata {key!r} must be {n} numbers (one per channel), got {v!r}")
-    return tuple(float(x) for x in arr)
+    return tuple(_f32(x) for x in arr)
 
 
 def config_from_metadata(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> ViTConfig:
@@ -129,7 +135,7 @@ def config_from_metadata(metadata: Mapping[str, Any], tensors: Mapping[str, Any]
     try:
         cfg = ViTConfig(
             **dims,
-            norm_eps=float(eps),
+            norm_eps=_f32(eps),
             labels=labels,
             image_mean=_floats(metadata, MEAN_KEY, C),
             image_std=_floats(metadata, STD_KEY, C),
