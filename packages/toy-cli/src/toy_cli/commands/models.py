@@ -182,6 +182,14 @@ def _describe_lines(path: Path, size: int, s, ftype_label) -> list[str]:
         rows.append(("d_ff", f"{s.d_ff}" + (f" ({'SwiGLU' if s.mlp == 'swiglu' else 'GELU'})" if s.mlp else "")))
     for key, vals in s.per_layer.items():
         rows.append(("  per layer", f"{key}: {vals}"))
+    if not s.language_model:  # a plugin architecture (e.g. toy-vit's): its own rows, no LM-only ones
+        from toy.models.card import extra_rows
+
+        if s.norm:
+            eps = f", eps {s.norm_eps:g}" if s.norm_eps is not None else ""
+            rows.append(("norm", ("RMSNorm" if s.norm == "rms" else "LayerNorm") + eps))
+        rows += extra_rows(s)
+        return [f"{k:<14} {v}" for k, v in rows]
     rows.append(("vocab", str(s.vocab) if s.vocab is not None else "-"))
     rows.append(("context", str(s.context_length) if s.context_length is not None else "-"))
     if s.positions == "rope":

@@ -538,6 +538,7 @@ def load(
     gf = lora_ctx = weights = None
     try:
         gf = GGUFFile(path)
+        models.require_language_model(gf.architecture)
         cfg = models.config_from_gguf(gf)
         tokenizer = Tokenizer.from_gguf(gf.metadata)
         template = ChatTemplate.from_gguf(gf.metadata)

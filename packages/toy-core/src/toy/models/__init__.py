@@ -47,6 +47,29 @@ An architecture module defines ``ARCH``, an ``Architecture`` with:
 
 Shared graph pieces (masks, KV padding, the attention core, batched training
 attention) live once in ``toy.models.common``.
+
+Architectures from other distributions
+--------------------------------------
+toy never imports a distribution built on it (``toy_vit`` depends on
+``toy``, not the reverse). A distribution adds an architecture through the
+entry-point group ``toy.architectures`` (name -> module, e.g. ``vit =
+"toy_vit.arch"`` in its pyproject), whose module defines ``ARCH``. ``get``
+consults the group only for a name that is not built in (so resolving a
+built-in name never reads package metadata); ``registered`` and
+``families`` list the built-in language models only, which is what
+``--arch`` and the LM protocol test mean.
+
+A plugin that is not a language model (``language_model = False``: no
+``n_vocab``, no token forward, nothing for the LLM engine, LoRA targets or
+``toy train``'s recipes) gives an ``ARCH`` with at least ``family``,
+``names``, ``language_model``, ``config_from_metadata(metadata, tensors)``
+and ``params(cfg)`` (``toy.train.model.init_params`` reads it), and for
+``toy describe`` optionally ``summary(metadata, tensors)`` (architecture
+facts as a JSON-able dict, ``ModelSummary.extra``), ``describe_rows(extra)``
+(``(label, text)`` rows) and ``card(summary)`` (its algorithm card); see
+``toy.models.card``; ``usage`` (a line on how to run it: the hint when
+``toy.load`` refuses it). ``language_model(name)`` tells the two kinds
+apart; ``require_language_model(name)`` refuses a non-LM.
 """
 
 from __future__ import annotations
@@ -112,6 +135,22 @@ class Architecture:
         return self.config_from_metadata(gf.metadata, gf.tensors)
 
 
+#: entry-point group of architectures other distributions add (see the module docstring)
+ENTRY_POINT_GROUP = "toy.architectures"
+
+
+def _entry_points() -> dict[str, str]:
+    """name -> module of the installed ``toy.architectures`` entry points."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def plugins() -> tuple[str, ...]:
+    """The architecture names installed distributions add (entry points)."""
+    return tuple(n for n in _entry_points() if n not in _MODULES)
+
+
 def registered() -> tuple[str, ...]:
     """The ``general.architecture`` values toy runs."""
     return tuple(_MODULES)
@@ -127,12 +166,42 @@ def get(name: str | None) -> Any:
     value or a family name; ``UnsupportedModelError`` listing the registered
     ones for anything else."""
     module = _MODULES.get(name) if isinstance(name, str) else None
+    if module is None and isinstance(name, str):
+        module = _entry_points().get(name)  # an architecture another distribution adds
     if module is None:
+        extra = plugins()
         raise UnsupportedModelError(
             f"architecture {name!r} is not supported",
-            hint=f"supported architectures: {', '.join(_MODULES)}",
+            hint=f"supported architectures: {', '.join(_MODULES)}"
+            + (f"; installed plugins: {', '.join(extra)}" if extra else ""),
         )
-    return importlib.import_module(module).ARCH
+    try:
+        return importlib.import_module(module).ARCH
+    except (ImportError, AttributeError) as e:
+        raise UnsupportedModelError(
+            f"architecture {name!r}: its module {module!r} does not load ({e})",
+            hint="reinstall the distribution that provides it",
+        ) from None
+
+
+def language_model(name: str | None) -> bool:
+    """Whether a ``general.architecture`` value is a language model the LLM
+    engine runs (built-ins are; a plugin says with ``language_model``)."""
+    return bool(getattr(get(name), "language_model", True))
+
+
+def require_language_model(name: str | None) -> None:
+    """``UnsupportedModelError`` unless ``name`` is a language model (the
+    check ``toy.load`` makes before reading a tokenizer); a plugin's
+    ``usage`` (optional) becomes the hint."""
+    if name in _MODULES:
+        return
+    arch = get(name)
+    if not getattr(arch, "language_model", True):
+        raise UnsupportedModelError(
+            f"architecture {name!r} is not a language model: it cannot generate text",
+            hint=getattr(arch, "usage", None),
+        )
 
 
 def lora_target_names() -> tuple[str, ...]:
@@ -161,12 +230,16 @@ __all__ = [
     "Architecture",
     "LoraTarget",
     "ParamInfo",
+    "ENTRY_POINT_GROUP",
     "UnsupportedModelError",
     "config_from_gguf",
     "config_from_metadata",
     "families",
     "get",
+    "language_model",
     "lora_target_names",
     "of",
+    "plugins",
     "registered",
+    "require_language_model",
 ]

@@ -12,6 +12,15 @@ linear map is ``X·W`` with ``W ∈ ℝ^{d_in×d_out}`` (GGUF stores ``W`` with
 ggml ``ne = [d_in, d_out]``, i.e. NumPy shape ``(d_out, d_in)``). Known
 families: llama, qwen2, qwen3 (RoPE, RMSNorm, SwiGLU) and gpt2 (learned
 positions, LayerNorm, GELU); anything else gets the generic fields only.
+
+An architecture another distribution adds (``toy.models``' entry-point group
+``toy.architectures``, e.g. toy-vit's ``vit``) is asked for the rest, and
+only for a name that is not built in: its ``ARCH.summary(metadata,
+tensors)`` fills ``ModelSummary.extra`` (JSON-able facts), its
+``describe_rows(extra)`` gives ``extra_rows``' ``(label, text)`` lines and
+its ``card(summary)`` the algorithm card. A plugin with ``language_model =
+False`` gets ``language_model = False`` in its summary and no LM-only fields
+(vocabulary, head tying), so ``toy describe`` leaves those rows out.
 """
 
 from __future__ import annotations
@@ -62,6 +71,8 @@ class ModelSummary:
     tokenizer_pre: str | None = None
     chat_template: bool = False
     per_layer: dict[str, list[int]] = field(default_factory=dict)  # keys whose value varies by layer
+    language_model: bool = True  # False for a plugin architecture that is not one (no vocab, tokenizer…)
+    extra: dict[str, Any] = field(default_factory=dict)  # a plugin architecture's own facts
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,6 +99,19 @@ def _int(v: Any) -> int | None:
 def _float(v: Any) -> float | None:
     v = _scalar(v)
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _plugin(arch: str | None) -> Any:
+    """The ``ARCH`` of a non-built-in architecture an installed distribution
+    adds, or None (unknown, or not loadable)."""
+    if not arch or arch in KNOWN:
+        return None
+    from toy import models
+
+    try:
+        return models.get(arch)
+    except models.UnsupportedModelError:
+        return None
 
 
 def summary_from(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> ModelSummary:
@@ -181,7 +205,23 @@ def summary_from(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> Mod
     s.tokenizer_model = tm if isinstance(tm, str) else None
     s.tokenizer_pre = tp if isinstance(tp, str) else None
     s.chat_template = any(k == "tokenizer.chat_template" or k.startswith("tokenizer.chat_template.") for k in metadata)
+    plugin = _plugin(arch)
+    if plugin is not None:
+        if not getattr(plugin, "language_model", True):
+            s.language_model, s.tied_output, s.vocab = False, None, None
+        if getattr(plugin, "summary", None) is not None:
+            s.extra = dict(plugin.summary(metadata, tensors))
     return s
+
+
+def extra_rows(s: ModelSummary) -> list[tuple[str, str]]:
+    """``(label, text)`` rows of a plugin architecture's ``extra`` facts for
+    ``toy describe`` (none for built-ins)."""
+    plugin = _plugin(s.architecture) if s.extra else None
+    rows = getattr(plugin, "describe_rows", None)
+    if rows is None:
+        return [(k, str(v)) for k, v in s.extra.items()]
+    return list(rows(s.extra))
 
 
 def summarize(gf) -> ModelSummary:
@@ -248,6 +288,9 @@ def _norm(s: ModelSummary, gamma: str, beta: str) -> str:
 def algorithm_card(s: ModelSummary) -> str:
     """The forward pass of the model as numbered pseudocode with real shapes."""
     arch = s.architecture or "?"
+    plugin = _plugin(s.architecture)
+    if plugin is not None and getattr(plugin, "card", None) is not None:
+        return plugin.card(s)
     if arch not in KNOWN:
         return (
             f"(no algorithm card: toy writes cards for {', '.join(sorted(KNOWN))}, and this model is {arch!r}; "
@@ -339,4 +382,7 @@ def algorithm_card(s: ModelSummary) -> str:
     return "\n".join(head + lines.render() + ["where " + "; ".join(defs) + "."])
 
 
-__all__ = ["KNOWN", "ModelSummary", "algorithm_card", "summarize", "summary_from"]
+#: the numbered-lines builder of the cards, for plugin architectures' own cards
+Lines = _Lines
+
+__all__ = ["KNOWN", "Lines", "ModelSummary", "algorithm_card", "extra_rows", "summarize", "summary_from"]
