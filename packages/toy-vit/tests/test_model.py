@@ -278,3 +278,49 @@ def test_gradients_equal_pytorch_autograd(hf_vit):
             assert np.abs(got - want).max() <= 2e-4 * scale, f"{n}: {np.abs(got - want).max():.3g} (scale {scale:.3g})"
         ops.close()
         st.close()
+
+
+def test_toy_describe_and_the_card(hf_vit, capsys):
+    """``toy describe`` on a converted ViT: the registry finds toy_vit.arch
+    through the toy.architectures entry point."""
+    import json
+
+    from toy_cli.main import main
+
+    _, _, path = hf_vit("rgb32")
+    assert main(["describe", str(path)]) == 0
+    out = capsys.readouterr().out
+    for text in [
+        "architecture   vit",
+        f"parameters     {n_params(read_gguf(path)[0]) / 1e3:.1f}K",
+        "layers         3",
+        "attention      4 heads, head_dim 16",
+        "norm           LayerNorm, eps 1e-12",
+        "image          32×32 px, 3 channels",
+        "patches        8×8 px: 4×4 = 16 patches + class token = 17 tokens",
+        "classes        5: class_rgb32_0, class_rgb32_1, class_rgb32_2, class_rgb32_3, class_rgb32_4",
+        "Algorithm: P ← vit(x | θ)",
+        "P_x ∈ ℝ^{16×192}",
+        "for h = 1, …, 4: A_h ← softmax(Q_h·K_hᵀ / √16)·V_h",
+        "z ∈ ℝ^5, W_c ∈ ℝ^{64×5}",
+        "GELU(z) = ½z(1 + erf(z/√2))",
+    ]:
+        assert text in out, f"{text!r} not in:\n{out}"
+    for lm_only in ("vocab", "tokenizer", "output head"):
+        assert lm_only not in out
+    assert main(["describe", str(path), "--json"]) == 0
+    extra = json.loads(capsys.readouterr().out)["summary"]["extra"]
+    assert (
+        extra["n_patches"] == 16 and extra["n_classes"] == 5 and extra["model_params"] == n_params(read_gguf(path)[0])
+    )
+
+
+def test_registry_gives_the_vit_to_toys_trainer_init():
+    from toy import models
+    from toy.train.model import init_params
+
+    cfg = ViTConfig.preset("vit-micro")
+    assert models.of(cfg).params(cfg) == params(cfg)
+    init = init_params(cfg, seed=0)
+    assert list(init) == list(params(cfg)) and all(init[n].shape == p.shape for n, p in params(cfg).items())
+    assert (init["v.blk.0.ln1.weight"] == 1).all() and not init["cls.bias"].any()
