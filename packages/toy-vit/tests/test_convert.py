@@ -175,3 +175,18 @@ def test_missing_files_and_processor_mismatch(hf_vit, tmp_path):
     (hf / "preprocessor_config.json").write_text(json.dumps({"rescale_factor": 1.0}))
     with pytest.raises(ConvertError, match="rescale_factor"):
         convert_hf(hf, tmp_path / "x.gguf")
+
+
+@pytest.mark.slow
+def test_full_size_vit_tiny_equals_transformers(hf_vit):
+    """The vit-tiny shape (224 px, 196 patches, 12 layers, 1000 classes,
+    weights of a trained model's scale): logits within 1e-4 of transformers' for 2 images."""
+    model, _, path = hf_vit("tiny224")
+    pixels = vit_ref.random_pixels("tiny224", 2, seed=5)
+    ref = vit_ref.hf_logits(model, pixels)
+    with toy_vit.load(path, threads=2) as clf:
+        assert clf.config == toy_vit.ViTConfig.preset("vit-tiny", labels=clf.labels, image_mean=clf.config.image_mean,
+                                                      image_std=clf.config.image_std)  # fmt: skip
+        got = clf.logits(pixels)
+    assert np.abs(ref).max() > 1.0 and np.abs(ref[0] - ref[1]).max() > 0.1  # not a degenerate model
+    assert np.abs(got - ref).max() <= TOL, f"max abs diff {np.abs(got - ref).max():.3g}"
