@@ -2,10 +2,12 @@
 
 Configuration: a TOML file (``--config``) validated into
 ``toy.train.config.TrainConfig``, then the flags given here on top; the
-resolved config is what the run records. Progress (step, loss, lr, tok/s,
-ETA) goes to stderr as a rich progress bar on a terminal, one line every few
-seconds otherwise; the run folder's path is printed on stdout at the end
-(``--json``: a JSON summary instead).
+resolved config is what the run records. Progress (step, loss, lr, the
+step unit's rate: tok/s, or img/s for an image classifier's run, ETA) goes
+to stderr as a rich progress bar on a terminal, one line every few seconds
+otherwise; the run folder's path is printed on stdout at the end
+(``--json``: a JSON summary instead; a classifier run adds its final
+``val_accuracy`` and ``val_top5``).
 
 Stopping: the first Ctrl-C (SIGINT) or SIGTERM finishes the current step,
 saves a checkpoint, writes ``run_end`` with reason "interrupted" and exits
@@ -59,6 +61,9 @@ def _stop_signals():
             signal.signal(s, h)
 
 
+_UNITS = {"tokens": "tok", "images": "img"}  # short names of the step units in progress lines
+
+
 class _Bar:
     """Training progress on stderr."""
 
@@ -108,7 +113,10 @@ class _Bar:
     def progress(self, ev: dict) -> None:
         if self.quiet:
             return
-        info = f"loss {ev['loss']:.4f} lr {ev['lr']:.2e} {ev['tokens_per_s']:,.0f} tok/s"
+        # a step event counts its task's unit: tokens (tokens_per_s), images (images_per_s), ...
+        unit = next((k[: -len("_per_s")] for k in ev if k.endswith("_per_s")), None)
+        rate = f" {ev[f'{unit}_per_s']:,.0f} {_UNITS.get(unit, unit)}/s" if unit else ""
+        info = f"loss {ev['loss']:.4f} lr {ev['lr']:.2e}{rate}"
         bar = self._ensure()
         if bar is not None:
             if self.task is None:
@@ -133,7 +141,33 @@ class _Bar:
             self.bar = None
 
 
+def _val_metrics(result) -> dict:
+    """``val_accuracy`` / ``val_top5`` of a classifier run: its last "val"
+    eval event, when it is at the final step (read from the end of
+    events.jsonl); {} for a language-model run or when there is none."""
+    if result.val_loss is None:
+        return {}
+    try:
+        with open(Path(result.run_dir) / "events.jsonl", "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 65536))
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    for line in reversed(lines):
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(ev, dict) and ev.get("kind") == "eval" and ev.get("name") == "val":
+            if ev.get("step") != result.final_step:
+                return {}
+            return {f"val_{k}": ev[k] for k in ("accuracy", "top5") if isinstance(ev.get(k), (int, float))}
+    return {}
+
+
 def _finish(result, as_json: bool, sig, quiet: bool = False) -> None:
+    metrics = _val_metrics(result)
     if as_json:
         typer.echo(
             json.dumps(
@@ -144,6 +178,7 @@ def _finish(result, as_json: bool, sig, quiet: bool = False) -> None:
                     "final_step": result.final_step,
                     "final_loss": result.final_loss,
                     "val_loss": result.val_loss,
+                    **metrics,
                     "checkpoint": str(result.checkpoint) if result.checkpoint else None,
                 }
             )
@@ -152,9 +187,11 @@ def _finish(result, as_json: bool, sig, quiet: bool = False) -> None:
         typer.echo(str(result.run_dir))
         if not quiet:
             loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "-"
+            acc = metrics.get("val_accuracy")
             print(
                 f"{result.reason} at step {result.final_step}: loss {loss}"
                 + (f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else "")
+                + (f", validation accuracy {100 * acc:.2f}%" if acc is not None else "")
                 + (f"; checkpoint {result.checkpoint}" if result.checkpoint else ""),
                 file=sys.stderr,
             )
@@ -533,3 +570,10 @@ def demo_corpus(
 
 def register(app: typer.Typer) -> None:
     app.add_typer(train_app, name="train")
+
+
+# what the training commands of other distributions reuse (`toy vit train`):
+# run_training(fn, quiet, as_json) runs fn(hooks) with this progress bar, the
+# stop signals and the error mapping, then prints the summary as `toy train` does
+run_training = _run
+stop_signals = _stop_signals
