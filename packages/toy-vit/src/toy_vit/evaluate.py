@@ -395,6 +395,8 @@ def plot_confusion(report: Report, path: str | os.PathLike, *, dpi: int = 120) -
     ``path`` (written atomically); returns the path."""
     out = check_plot_path(path)
     Figure, FigureCanvasAgg = _matplotlib()
+    from matplotlib.ticker import MaxNLocator
+
     shown = report.shown()
     c = report.confusion[np.ix_(shown, shown)]
     n = len(shown)
@@ -403,7 +405,8 @@ def plot_confusion(report: Report, path: str | os.PathLike, *, dpi: int = 120) -
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     im = ax.imshow(c, cmap="Blues", interpolation="nearest")
-    fig.colorbar(im, ax=ax, shrink=0.8, label="images")
+    bar = fig.colorbar(im, ax=ax, shrink=0.8, label="images")
+    bar.ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts: whole numbers
     if n <= 40:
         names = [report.labels[i] for i in shown]
         ax.set_xticks(range(n), names, rotation=90 if max(map(len, names)) > 3 else 0)
