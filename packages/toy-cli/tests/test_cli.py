@@ -53,7 +53,16 @@ def test_unknown_option_is_bad_input(capsys):
     assert "error:" in err and "hint:" in err
 
 
-def test_missing_optional_package_gives_hint(capsys):
+def test_missing_optional_package_gives_hint(capsys, monkeypatch):
+    import importlib.metadata as md
+
+    real = md.entry_points
+
+    def without_vit(**kw):  # as if toy-vit were not installed (the dev venv has it)
+        eps = real(**kw)
+        return [ep for ep in eps if ep.name != "vit"] if kw.get("group") == "toy.commands" else eps
+
+    monkeypatch.setattr(md, "entry_points", without_vit)
     code, _, err = run(capsys, "vit")
     assert code == 2
     assert "error: 'toy vit' is not installed" in err

@@ -76,6 +76,8 @@ def test_help_lists_every_command(capsys):
     assert code == 0
     for cmd in ("demo-data", "convert", "train", "eval", "classify"):
         assert cmd in out
+    code, out, err = run(capsys, "vit")  # no subcommand: the help, and no empty error line
+    assert code == 2 and "demo-data" in out and "error" not in err
     code, out, _ = run(capsys, "--help")
     assert "Image classification with a Vision Transformer" in out and "not installed" not in out
     code, out, _ = run(capsys, "vit", "train", "--help")

@@ -215,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         # recognized by shape: usage errors have format_message and exit_code 2.
         if hasattr(e, "format_message") and hasattr(e, "exit_code"):
             code = int(e.exit_code) if e.exit_code else 1
+            if not e.format_message():  # a group's no_args_is_help: its help is already on the screen
+                return code
             _report(e, e.format_message(), "see --help" if code == 2 else None, code)
             return code
         if type(e).__name__ == "Exit" and hasattr(e, "exit_code"):
