@@ -377,7 +377,7 @@ def test_eval_equals_the_python_api(capsys, tmp_path, shared):
     ev = [e for e in events(bundle) if e["kind"] == "eval"][0]
     assert ev["name"] == "all" and ev["images"] == 24
     assert ev["accuracy"] == want_all.accuracy and ev["loss"] == pytest.approx(want_all.nll)
-    assert ev["confusion"] == want_all.confusion.tolist() and events(bundle)[-1]["reason"] == "completed"
+    assert ev["top5"] == want_all.top_k_accuracy and ev["top_k"] == 3 and events(bundle)[-1]["reason"] == "completed"
 
 
 def test_eval_plot(capsys, tmp_path, shared, monkeypatch):

@@ -425,7 +425,8 @@ def eval_cmd(
 
 
 def _record(report, cfg, runs_dir, batch_size: int, seed: int) -> Path:
-    """An eval run bundle with the report's figures (written once they are known)."""
+    """An eval run bundle with the report's headline figures (written once
+    they are known; the per-class table and the matrix are ``--json``'s)."""
     from toy.eval.record import eval_run
 
     config = {"model": report.model, "data": report.data, "split": report.split, "batch_size": batch_size, "seed": seed}
@@ -438,9 +439,8 @@ def _record(report, cfg, runs_dir, batch_size: int, seed: int) -> Path:
             loss=report.nll,
             accuracy=report.accuracy,
             top5=report.top_k_accuracy,
+            top_k=report.top_k,
             images=report.n,
-            labels=list(report.labels),
-            confusion=report.confusion.tolist(),
         )
     return w.dir
 
