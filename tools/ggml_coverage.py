@@ -75,6 +75,7 @@ OP_OF_FUNCTION: dict[str, tuple[str, ...]] = {
     "ggml_norm": ("NORM",),
     "ggml_rms_norm": ("RMS_NORM",),
     "ggml_mul_mat": ("MUL_MAT",),
+    "ggml_mul_mat_toy_gemm": ("MUL_MAT",),
     "ggml_mul_mat_id": ("MUL_MAT_ID",),
     "ggml_cont": ("CONT",),
     "ggml_reshape_4d": ("RESHAPE",),

@@ -243,7 +243,7 @@ cdef class Context(_ContextBase):
 
     # ---------------------------------------------------------------- matmul
 
-    def mul_mat(self, Tensor a, Tensor b, bint row_invariant=False):
+    def mul_mat(self, Tensor a, Tensor b, bint row_invariant=False, gemm=None):
         """b @ a.T over the last two axes: a (..., M, K) weights (any type
         with a dot product, quantized included), b (..., N, K) F32 -> (..., N, M)
         F32. a's leading extents must divide b's; b's batch j uses a's batch
@@ -251,7 +251,18 @@ cdef class Context(_ContextBase):
         ``row_invariant``: every output row is summed exactly as it would be
         with N = 1 (the CPU's vec_dot kernels for any N, patch 0004), so a
         row does not change with the rows batched beside it; slower for
-        large N, where the default lets the CPU use tinyBLAS."""
+        large N, where the default lets the CPU use tinyBLAS.
+        ``gemm`` (default: the context's ``gemm`` attribute, False unless
+        set): an F32 ``a`` is multiplied by toy's CPU GEMM (patch 0011):
+        every output is one fused multiply-add chain over K in order, so
+        it is also row-invariant, the same on every CPU variant, and fast
+        for many rows and any K. It reads ``a`` and ``b`` in place when
+        their last or second-to-last axis is contiguous (a transposed or
+        permuted view needs no ``cont()``), and its gradients (autograd)
+        are toy GEMM products of the operands read transposed, without
+        copies. Such a node runs on the CPU backend only: set it where the
+        runtime computes on the CPU (``Runtime.cpu_gemm``). Other types of
+        ``a`` ignore it. Not together with ``row_invariant``."""
         self._in2(a, b)
         _f32(b, "mul_mat", "b")
         if not _type_valid(<int>a.ptr.type) or a.ptr.type in (GGML_TYPE_I32, GGML_TYPE_I64) or <int>a.ptr.type in (24, 25):
@@ -260,11 +271,23 @@ cdef class Context(_ContextBase):
             raise ValueError(f"mul_mat: inner extents differ: a {_shp(a)} vs b {_shp(b)}")
         if b.ptr.ne[2] % a.ptr.ne[2] != 0 or b.ptr.ne[3] % a.ptr.ne[3] != 0:
             raise ValueError(f"mul_mat: a {_shp(a)} does not broadcast over b {_shp(b)}")
-        if ggml_is_transposed(a.ptr):
-            raise ValueError("mul_mat: a must not be transposed (use cont())")
-        cdef ggml_tensor * r = ggml_mul_mat(self.ptr, a.ptr, b.ptr)
-        if row_invariant:
-            r.op_params[1] = 2  # GGML_HINT_ROW_INVARIANT (patch 0004)
+        use_gemm = self.gemm if gemm is None else bool(gemm)
+        if use_gemm and row_invariant:
+            if gemm is not None:
+                raise ValueError("mul_mat: gemm and row_invariant exclude each other")
+            use_gemm = False  # an explicit row_invariant wins over the context's default
+        cdef ggml_tensor * r
+        if use_gemm and a.ptr.type == GGML_TYPE_F32:
+            for t, name in ((a, "a"), (b, "b")):
+                if not ggml_toy_gemm_operand_ok(t.ptr):
+                    raise ValueError(f"mul_mat (gemm): {name} {_shp(t)} has neither of its last two axes contiguous (use cont())")
+            r = ggml_mul_mat_toy_gemm(self.ptr, a.ptr, b.ptr)  # hinted GGML_HINT_TOY_GEMM (patch 0011)
+        else:
+            if ggml_is_transposed(a.ptr):
+                raise ValueError("mul_mat: a must not be transposed (use cont())")
+            r = ggml_mul_mat(self.ptr, a.ptr, b.ptr)
+            if row_invariant:
+                r.op_params[1] = 2  # GGML_HINT_ROW_INVARIANT (patch 0004)
         return self._r(r, _max(2, _max(a._ndim, b._ndim)))
 
     def mul_mat_id(self, Tensor experts, Tensor b, Tensor ids):

@@ -188,6 +188,14 @@ cdef class Runtime(_Handle):
             out.append(ggml_backend_name(self._cpu).decode())
         return out
 
+    @property
+    def cpu_gemm(self):
+        """Whether products hinted for toy's CPU GEMM (``Context.mul_mat``'s
+        ``gemm``, patch 0011) run as such here: True when the CPU is this
+        runtime's only backend (a device backend would not know the hint)."""
+        self._check_open()
+        return self._primary == self._cpu
+
     cdef int _prepare(self, Graph graph) except -1:
         self._check_open()
         graph._ok()

@@ -139,10 +139,13 @@ cdef class _ContextBase(_Handle):
     cdef size_t _overhead
     cdef list _buffers
     cdef readonly int max_tensors
+    # the default of ``Context.mul_mat``'s ``gemm`` for this context's products
+    cdef public bint gemm
 
     def __cinit__(self, int max_tensors=1024, int graph_size=0, *args, **kwargs):
         self.ptr = NULL
         self._buffers = []
+        self.gemm = False
 
     def __init__(self, int max_tensors=1024, int graph_size=0):
         """``max_tensors``: tensors (op results included) the context holds
