@@ -77,6 +77,7 @@ class Classifier:
         cin.allocate(self.runtime)
         size = graph_size(cfg)
         ops = toy_ggml.Context(max_tensors=size)
+        ops.gemm = self.runtime.cpu_gemm  # F32 products on toy's CPU GEMM (row-invariant too)
         try:
             out = forward(ops, cfg, self._weights, patches, batch, row_invariant=self.exact_batching)
             out.set_output()

@@ -160,6 +160,13 @@ def forward(ctx, cfg: ViTConfig, weights, patches, batch: int, lora=None, row_in
         return ctx.reshape(ctx.cont(ctx.permute(ctx.reshape(x, (B, T, H, dh)), axes)), shape)
 
     def attend(q, k, v):
+        if ctx.gemm:  # toy's GEMM reads the heads as strided views: no copies of Q, K, V
+            q = ctx.permute(ctx.reshape(q, (B, T, H, dh)), (0, 2, 1, 3))  # (B, H, T, dh)
+            k = ctx.permute(ctx.reshape(k, (B, T, H, dh)), (0, 2, 1, 3))  # (B, H, T, dh)
+            v = ctx.permute(ctx.reshape(v, (B, T, H, dh)), (0, 2, 3, 1))  # (B, H, dh, T)
+            kq = ctx.soft_max(ctx.mul_mat(k, q), None, 1.0 / math.sqrt(dh))  # (B, H, T, T)
+            a = ctx.mul_mat(v, kq)  # (B, H, T, dh)
+            return ctx.reshape(ctx.cont(ctx.permute(a, (0, 2, 1, 3))), (B * T, D))
         q = heads(q, (0, 2, 1, 3), (B * H, T, dh))
         k = heads(k, (0, 2, 1, 3), (B * H, T, dh))
         v = heads(v, (0, 2, 3, 1), (B * H, dh, T))

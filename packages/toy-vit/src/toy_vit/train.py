@@ -189,6 +189,7 @@ class ViTTrainModel:
     ):
         self.cfg, self.frozen, self.lora = cfg, dict(frozen or {}), lora
         self.row_invariant = row_invariant
+        self.gemm = not row_invariant  # the engine's graphs use toy's CPU GEMM where it can
         self.n_vocab = cfg.n_classes
         self.feed = PatchFeed(cfg)
         unknown = sorted(set(self.frozen) - set(params(cfg)))

@@ -82,7 +82,11 @@ class ParamSpec:
 class TrainModel(Protocol):
     """What an architecture gives the engine. ``n_vocab`` is the width of
     a logits row (the vocabulary; the class count of a classifier).
-    Optional: ``feed``, the model's ``Feed`` (default ``TokenFeed()``)."""
+    Optional: ``feed``, the model's ``Feed`` (default ``TokenFeed()``);
+    ``gemm`` (default False): the step graphs' F32 products run on toy's
+    CPU GEMM (``toy_ggml.Context.mul_mat``'s ``gemm``, gradients included)
+    where the runtime computes on the CPU (``Runtime.cpu_gemm``); the
+    model's ``logits`` reads ``ctx.gemm`` to know."""
 
     n_vocab: int
 
@@ -249,12 +253,18 @@ class TrainEngine:
 
     # ------------------------------------------------------------------ graphs
 
+    def _ops_context(self, **kw) -> toy_ggml.Context:
+        """A context for a graph's ops, with the model's product kernel (``gemm``)."""
+        ops = toy_ggml.Context(**kw)
+        ops.gemm = bool(getattr(self.model, "gemm", False)) and self.runtime.cpu_gemm
+        return ops
+
     def _graph_capacity(self) -> int:
         return 200 * len(self.specs) + 4096
 
     def _build(self, kind: str) -> _Graph:
         cap = self._graph_capacity()
-        ops = toy_ggml.Context(max_tensors=cap * 8, graph_size=cap * 8)
+        ops = self._ops_context(max_tensors=cap * 8, graph_size=cap * 8)
         logits = self.model.logits(ops, self.params, self.inputs, training=kind != "eval")
         ce = ops.cross_entropy_loss(logits, self._labels)
         if kind == "eval":
@@ -438,7 +448,7 @@ class TrainEngine:
             inp.mask.set(causal_mask(T).reshape(1, 1, T, T))
             inp.keep.set(np.ones((T, 1), np.float32))
             cap = self._graph_capacity()
-            ops = toy_ggml.Context(max_tensors=cap * 2)
+            ops = self._ops_context(max_tensors=cap * 2)
             out = self.model.logits(ops, self.params, inp, training=False).set_output()
             graph = toy_ggml.Graph(ops, size=cap * 2).build_forward(out)
             self._row = (cin, inp, ops, graph, out)
