@@ -750,3 +750,34 @@ def test_rope_with_permuted_consumer(rt, rng):
     x = _normal(rng, (3, 2, 4))
     pos = np.array([0, 1, 2], np.int32)
     grad_check(rt, lambda c, t, p: c.cont(c.permute(c.rope(t, p, 4), (1, 0, 2))), [x], [pos])
+
+
+def test_tanh_finite_differences(rt, rng):
+    # patch 0012: d tanh = (1 - tanh^2) dx. Smooth everywhere; the default step and tolerances.
+    x = np.concatenate([_normal(rng, (2, 8), 1.5).ravel(), [0.0, 1e-6, -1e-6, 0.5, -0.5, 3.0, -3.0, 0.1]])
+    grad_check(rt, lambda c, t: c.tanh(t), [x.astype(np.float32).reshape(3, 8)])
+
+
+def test_tanh_analytic(rt, rng):
+    # patch 0012 vs 1 - tanh(x)^2 in float64. The backward reads the forward's float32
+    # tanh y (a few ulp of y) and computes 1 - y*y in float32: |err| <= ~4 ulp(1) |upstream|
+    # = 2**-21 |upstream| absolute, plus float32 rounding of the product. Far out the
+    # derivative is exactly 0 (y rounds to +-1).
+    x = (
+        np.concatenate(
+            [
+                np.array([0.0, -0.0, 1e-30, 1e-7, -1e-7, 1.0, -1.0, 5.0, -5.0, 20.0, -20.0, 1e4], np.float32),
+                _normal(rng, (52,), 2.0).ravel(),
+            ]
+        )
+        .astype(np.float32)
+        .reshape(4, 16)
+    )
+    (gx,), _, up = ggml_grads(rt, lambda c, t: c.tanh(t), [x])
+    up64 = up.astype(np.float64)
+    expected = up64 * (1.0 - np.tanh(x.astype(np.float64)) ** 2)
+    err = np.abs(gx - expected)
+    tol = 1e-6 * np.abs(expected) + 2.0**-21 * np.abs(up64)
+    assert np.all(err <= tol), f"worst x={x.flat[np.argmax(err - tol)]}: err {err.max():.3g}"
+    assert gx.flat[0] == np.float32(up.flat[0])  # tanh'(0) = 1 exactly
+    assert gx.flat[9] == 0.0 and gx.flat[10] == 0.0 and gx.flat[11] == 0.0  # |x| >= 20: y = +-1

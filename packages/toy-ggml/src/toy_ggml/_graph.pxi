@@ -20,7 +20,7 @@ BACKWARD_OPS = frozenset({
 # ggml_unary_op_name() names with a backward case.
 BACKWARD_UNARY_OPS = frozenset({
     "ABS", "SGN", "NEG", "STEP", "RELU", "SILU", "EXP", "EXPM1", "SOFTPLUS", "GELU",
-    "GELU_ERF",
+    "GELU_ERF", "TANH",
 })
 # ggml_glu_op_name() names with a backward case (split form only).
 BACKWARD_GLU_OPS = frozenset({"SWIGLU"})
