@@ -64,6 +64,7 @@ _HELPERS = {
     "train_helpers": "packages/toy-core/tests/train_helpers.py",
     "cli_helpers": "packages/toy-cli/tests/cli_helpers.py",
     "gpt2_ref": "packages/toy-core/tests/gpt2_ref.py",
+    "gemma_ref": "packages/toy-core/tests/gemma_ref.py",
     "gpt2_np": "packages/toy-core/tests/gpt2_np.py",
     "torch_gpt2": "packages/toy-core/tests/torch_gpt2.py",
 }

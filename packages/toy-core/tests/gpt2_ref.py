@@ -34,8 +34,9 @@ whose greedy output is one token repeated: a weak parity test.)
 The llama.cpp sdist comes from tools/fetch_ggml.py's cache
 (``packages/toy-ggml/subprojects/packagecache``), or is downloaded with pip
 like fetch_ggml does; it is hash-checked, and only the converter, its
-``conversion`` package, ``gguf-py`` and the vocab file are extracted (into
-the cache folder, never into the repository).
+``conversion`` package, ``gguf-py``, the vocab file and the Gemma 2 chat
+template (for gemma_ref.py) are extracted (into the cache folder, never into
+the repository; the folder's name carries a digest of that list).
 
 Nothing is ever fetched from a model hub: HF_HUB_OFFLINE and
 TRANSFORMERS_OFFLINE are set before transformers is imported.
@@ -77,7 +78,14 @@ SDIST_NAME = f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 SDIST_CACHED = ROOT / "packages/toy-ggml/subprojects/packagecache" / SDIST_NAME
 _PREFIX = f"llama_cpp_python-{SDIST_VERSION}/vendor/llama.cpp/"
-_EXTRACT = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/ggml-vocab-gpt-2.gguf")
+_EXTRACT = (
+    "convert_hf_to_gguf.py",
+    "conversion/",
+    "gguf-py/",
+    "models/ggml-vocab-gpt-2.gguf",
+    # gemma_ref.py's chat template
+    "models/templates/google-gemma-2-2b-it.jinja",
+)
 # the converter's general.name (it would otherwise come from the folder name)
 MODEL_NAME = "toy-test-gpt2"
 # the random weights (see make_hf_gpt2)
@@ -121,8 +129,11 @@ def _sdist() -> Path:
 
 def llama_cpp_dir() -> Path:
     """The extracted part of llama.cpp (converter, ``conversion``, ``gguf-py``,
-    the GPT-2 vocab file), extracted once into the cache."""
-    dest = cache_root() / f"llama.cpp-{SDIST_VERSION}-{SDIST_SHA256[:12]}"
+    the GPT-2 vocab file, the Gemma 2 chat template), extracted once into the
+    cache, in a folder named by the sdist and by ``_EXTRACT`` (a longer list
+    extracts anew rather than trusting an older, smaller extraction)."""
+    listed = hashlib.sha256("\n".join(_EXTRACT).encode()).hexdigest()[:8]
+    dest = cache_root() / f"llama.cpp-{SDIST_VERSION}-{SDIST_SHA256[:12]}-{listed}"
     if (dest / ".complete").is_file():
         return dest
     cache_root().mkdir(parents=True, exist_ok=True)
@@ -310,9 +321,10 @@ def hf_greedy(hf_dir, ids, n: int) -> list[int]:
 # ------------------------------------------------------------ conversion
 
 
-def convert_to_gguf(hf_dir, out_path, outtype: str = "f32") -> Path:
+def convert_to_gguf(hf_dir, out_path, outtype: str = "f32", model_name: str = MODEL_NAME) -> Path:
     """Run llama.cpp's convert_hf_to_gguf.py on ``hf_dir`` (``--outtype``
-    f32, f16 or q8_0) with the sdist's own gguf-py first on PYTHONPATH."""
+    f32, f16 or q8_0) with the sdist's own gguf-py first on PYTHONPATH;
+    ``model_name`` is the file's general.name."""
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype must be one of {OUTTYPES}, not {outtype!r}")
     lcpp = llama_cpp_dir()
@@ -330,7 +342,7 @@ def convert_to_gguf(hf_dir, out_path, outtype: str = "f32") -> Path:
         "--outtype",
         outtype,
         "--model-name",
-        MODEL_NAME,
+        model_name,
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
