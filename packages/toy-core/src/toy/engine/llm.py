@@ -41,6 +41,15 @@ product with that weight becomes ``W x + Σ scale · B (A x)`` (llama.cpp's
 ``build_lora_mm``; several adapters stack as several terms). A and B are
 products like any other, so the row-invariance rules above hold for them.
 
+Sliding windows and soft-caps (Gemma): a model whose layers attend through
+different windows (``arch.windows(cfg)``) gets one mask input per window
+for every mask of a graph, each layer reading its own
+(``arch.sliding_window``); the cache keeps every position of every layer
+(as llama.cpp's default ``swa_full``), so a sequence longer than the window
+is correct, only masked. ``arch.attention_softcap`` caps a layer's scores
+before the mask (``toy.models.common.soft_capped``; ``flash_attn_ext``'s
+``logit_softcap`` with flash attention).
+
 Graphs are cached by their shape key (LRU, ``max_graphs``): a decode step
 whose sequences keep their slots and padded lengths reuses the previous
 graph. Exceeding a slot's context raises ``ContextOverflowError`` before any
@@ -54,6 +63,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -61,7 +71,7 @@ import toy_ggml
 from toy import models
 from toy.engine.kv import KVCache
 from toy.errors import BadInputError
-from toy.models.common import attention, padded_length, position_mask
+from toy.models.common import attention, padded_length, position_mask, soft_capped
 
 F16, F32, I32, I64 = toy_ggml.GGMLType.F16, toy_ggml.GGMLType.F32, toy_ggml.GGMLType.I32, toy_ggml.GGMLType.I64
 
@@ -124,6 +134,9 @@ class LLMEngine:
             raise BadInputError(f"n_batch={n_batch} must be >= 1")
         self.cfg, self.weights, self.runtime = cfg, weights, runtime
         self.arch = models.of(cfg)
+        # the layers' attention windows (0: full): one mask input per window and mask
+        self.windows = self.arch.windows(cfg)
+        self._win = [self.windows.index(self.arch.sliding_window(cfg, i)) for i in range(cfg.n_layer)]
         self.flash_attn = bool(flash_attn)
         self.cache = KVCache(cfg, runtime, n_ctx, n_slot, kv_type, v_trans=not self.flash_attn)
         self.n_ctx, self.n_slot, self.n_batch = n_ctx, n_slot, n_batch
@@ -211,18 +224,28 @@ class LLMEngine:
     def _attend(self, ctx, layer: int, q, k, v, mask, row_invariant: bool):
         """q (H, Tq, D); k, v views from ``_views``; mask (Tq, n_kv)."""
         scale = self.arch.attention_scale(self.cfg, layer)
+        cap = self.arch.attention_softcap(self.cfg, layer)
         if self.flash_attn:
-            o = ctx.flash_attn_ext(q, k, v, mask, scale)  # (1, Tq, H, D)
+            o = ctx.flash_attn_ext(q, k, v, mask, scale, logit_softcap=cap)  # (1, Tq, H, D)
             T = q.shape[1]
             return ctx.reshape(o, (T, self.cfg.n_head * self.cfg.head_dim))
-        return attention(ctx, q, k, v, mask, scale, row_invariant=row_invariant)
+        return attention(ctx, q, k, v, mask, scale, row_invariant=row_invariant, softcap=cap)
+
+    @staticmethod
+    def _mask_name(j: int, w: int) -> str:
+        """The feed of graph mask j for window index w."""
+        return f"mask{j}" if w == 0 else f"mask{j}.w{w}"
+
+    def _layer_mask(self, feeds, j: int, layer: int):
+        return feeds[self._mask_name(j, self._win[layer])]
 
     # ------------------------------------------------------------------ graphs
 
     def _new_graph(self, n: int, masks: list[tuple[int, int]], n_out: int):
         """Input tensors for a step of n tokens: tokens, pos, k_idx, v_idx,
-        one mask per (rows, n_kv) in ``masks`` and out_idx when n_out < n."""
-        cin = toy_ggml.Context(max_tensors=8 + len(masks))
+        one mask per (rows, n_kv) in ``masks`` and window, and out_idx when
+        n_out < n."""
+        cin = toy_ggml.Context(max_tensors=8 + len(masks) * len(self.windows))
         mtype = F16 if self.flash_attn else F32
         feeds = {
             "tokens": cin.tensor(I32, (n,), name="tokens"),
@@ -232,11 +255,13 @@ class LLMEngine:
         if self.cache.v_trans:
             feeds["v_idx"] = cin.tensor(I64, (n * self.cache.width,), name="v_idx")
         for j, shape in enumerate(masks):
-            feeds[f"mask{j}"] = cin.tensor(mtype, shape, name=f"mask{j}")
+            for w in range(len(self.windows)):
+                name = self._mask_name(j, w)
+                feeds[name] = cin.tensor(mtype, shape, name=name)
         if n_out < n:
             feeds["out_idx"] = cin.tensor(I32, (n_out,), name="out_idx")
         cin.allocate(self.runtime)
-        size = (48 + 24 * len(masks)) * self.cfg.n_layer + 256 + self._lora_ops
+        size = (64 + 28 * len(masks)) * self.cfg.n_layer + 256 + self._lora_ops
         return cin, feeds, toy_ggml.Context(max_tensors=size), size
 
     def _finish(self, key, cin, feeds, ops, size, out) -> _Graph:
@@ -260,7 +285,8 @@ class LLMEngine:
         def attend(layer, q, k, v):
             kc, vc = self._write(ops, layer, k, v, feeds, n)
             kv, vv = self._views(ops, layer, kc, vc, slot, n_kv)
-            return self._attend(ops, layer, ops.permute(q, (1, 0, 2)), kv, vv, feeds["mask0"], self.exact_batching)
+            mask = self._layer_mask(feeds, 0, layer)
+            return self._attend(ops, layer, ops.permute(q, (1, 0, 2)), kv, vv, mask, self.exact_batching)
 
         out = self.arch.forward(
             ops,
@@ -293,8 +319,9 @@ class LLMEngine:
                 kc, vc = self._write(ops, layer, k, v, feeds, S)
                 kv, vv = self._slot_views(ops, layer, kc, vc, slots[0], S, n_kv)
                 q4 = ops.reshape(q, (S, H, 1, D))
-                scale = self.arch.attention_scale(self.cfg, layer)
-                kq = ops.soft_max(ops.mul_mat(kv, q4, row_invariant=True), feeds["mask0"], scale)
+                scale, cap = self.arch.attention_scale(self.cfg, layer), self.arch.attention_softcap(self.cfg, layer)
+                kq, scale = soft_capped(ops, ops.mul_mat(kv, q4, row_invariant=True), scale, cap)
+                kq = ops.soft_max(kq, self._layer_mask(feeds, 0, layer), scale)
                 return ops.reshape(ops.mul_mat(vv, kq, row_invariant=True), (S, H * D))  # (S, H, 1, D)
 
             out = self.arch.forward(
@@ -309,7 +336,7 @@ class LLMEngine:
             for j, (slot, n_kv) in enumerate(zip(slots, n_kvs)):
                 kv, vv = self._views(ops, layer, kc, vc, slot, n_kv)
                 qj = ops.view(q, (H, 1, D), strides=(D * 4, H * D * 4, 4), offset=j * H * D * 4)  # (H, 1, D)
-                outs.append(self._attend(ops, layer, qj, kv, vv, feeds[f"mask{j}"], True))
+                outs.append(self._attend(ops, layer, qj, kv, vv, self._layer_mask(feeds, j, layer), True))
             a = outs[0]
             for o in outs[1:]:
                 a = ops.concat(a, o, 0)
@@ -322,9 +349,10 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ feeds
 
-    def _mask(self, q_pos: np.ndarray, n_kv: int) -> np.ndarray:
-        """(len(q_pos), n_kv): 0 where cell <= the query's position, -inf after."""
-        m = position_mask(q_pos, n_kv)
+    def _mask(self, q_pos: np.ndarray, n_kv: int, window: int = 0) -> np.ndarray:
+        """(len(q_pos), n_kv): 0 where cell <= the query's position (and
+        within ``window``), -inf elsewhere."""
+        m = position_mask(q_pos, n_kv, window)
         return m.astype(np.float16) if self.flash_attn else m
 
     def _v_idx(self, slots: np.ndarray, pos: np.ndarray) -> np.ndarray:
@@ -335,14 +363,17 @@ class LLMEngine:
         return (slots[None, :].astype(np.int64) * W * C + c * C + pos[None, :]).reshape(-1)
 
     def _run(self, g: _Graph, tokens, pos, slots, masks, out_idx=None) -> np.ndarray:
+        """One compute. ``masks``: for each mask j of the graph, a function
+        window -> the mask array."""
         f = g.feeds
         f["tokens"].set(np.asarray(tokens, np.int32))
         f["pos"].set(pos.astype(np.int32))
         f["k_idx"].set(slots.astype(np.int64) * self.n_ctx + pos)
         if "v_idx" in f:
             f["v_idx"].set(self._v_idx(slots, pos))
-        for j, m in enumerate(masks):
-            f[f"mask{j}"].set(m)
+        for j, make in enumerate(masks):
+            for w, window in enumerate(self.windows):
+                f[self._mask_name(j, w)].set(make(window))
         if out_idx is not None:
             f["out_idx"].set(out_idx)
         self.runtime.compute(g.graph)
@@ -383,7 +414,8 @@ class LLMEngine:
             n_out = n if all_logits else 1
             g = self._prefill_graph(slot, n, n_kv, n_out, hidden)
             out_idx = None if n_out == n else np.array([n - 1], np.int32)
-            logits = self._run(g, chunk, pos, np.full(n, slot), [self._mask(pos, n_kv)], out_idx)
+            mask = partial(self._mask, pos, n_kv)
+            logits = self._run(g, chunk, pos, np.full(n, slot), [mask], out_idx)
             self.cache.append(slot, chunk)
             if all_logits or a + n == len(ids):
                 rows.append(logits)
@@ -406,9 +438,13 @@ class LLMEngine:
         g = self._decode_graph(slots_t, n_kvs)
         if self._one_attention(slots_t):
             n_kv = max(n_kvs)
-            masks = [np.stack([self._mask(pos[j : j + 1], n_kv) for j in range(len(slots_t))])[:, None]]
+
+            def stacked(window):
+                return np.stack([self._mask(pos[j : j + 1], n_kv, window) for j in range(len(slots_t))])[:, None]
+
+            masks = [stacked]
         else:
-            masks = [self._mask(pos[j : j + 1], n) for j, n in enumerate(n_kvs)]
+            masks = [partial(self._mask, pos[j : j + 1], n) for j, n in enumerate(n_kvs)]
         logits = self._run(g, tok, pos, np.array(slots_t), masks)
         for s, t in zip(slots_t, tok):
             self.cache.append(s, [t])

@@ -45,6 +45,23 @@ An architecture module defines ``ARCH``, an ``Architecture`` with:
 - ``output_weight(cfg)``: the name of the head's weight (the embedding when
   tied).
 
+Optional members (defaults: none of it), for architectures whose layers are
+not all alike (Gemma):
+
+- ``sliding_window(cfg, layer)``: 0 for full causal attention, or W: the
+  layer's queries see only the W most recent positions, themselves included
+  (a key at distance ``q_pos - k_pos >= W`` is masked, llama.cpp's
+  ``LLAMA_SWA_TYPE_STANDARD``). Every attention caller (the KV-cache engine,
+  ``common.forward_logits`` and ``forward_batch``) builds one mask per
+  distinct window (``windows(cfg)``) and hands each layer its own;
+- ``attention_softcap(cfg, layer)``: 0, or c: the scaled scores s become
+  ``c · tanh(s / c)`` before the mask and the softmax;
+- ``final_softcap(cfg)``: 0, or c: the logits become ``c · tanh(z / c)``
+  (``forward`` applies it to its head; ``forward_batch``, which runs the
+  head itself, asks for it);
+- ``summary``, ``describe_rows``, ``card``: as for plugins below, for a
+  built-in family whose card ``toy.models.card`` does not write.
+
 Shared graph pieces (masks, KV padding, the attention core, batched training
 attention) live once in ``toy.models.common``.
 
@@ -90,6 +107,18 @@ _MODULES = {
     "qwen2": "toy.models.llama",
     "qwen3": "toy.models.llama",
     "gpt2": "toy.models.gpt2",
+    "gemma2": "toy.models.gemma",
+    "gemma3": "toy.models.gemma",
+}
+
+# family names that are no general.architecture value toy runs (``get`` takes both)
+_FAMILIES = {"gemma": "toy.models.gemma"}
+
+# architectures of llama.cpp's that toy knows it does not run: name -> what is missing
+_REFUSED = {
+    "gemma3n": "Gemma 3n needs per-layer embeddings, AltUp, LAuReL and activation sparsity, which toy does not implement",
+    "gemma-embedding": "EmbeddingGemma (bidirectional attention, mean pooling) is not implemented",
+    "clip": "this is a vision tower (an mmproj file), not a language model: toy runs the text model only",
 }
 
 
@@ -130,9 +159,20 @@ class Architecture:
     output_weight: Callable[[Any], str]
     metadata: Callable[[Any, str], dict[str, Any]]
     train_config: Callable[..., Any]
+    sliding_window: Callable[[Any, int], int] = lambda cfg, layer: 0
+    attention_softcap: Callable[[Any, int], float] = lambda cfg, layer: 0.0
+    final_softcap: Callable[[Any], float] = lambda cfg: 0.0
+    summary: Callable[..., Any] | None = None
+    describe_rows: Callable[..., Any] | None = None
+    card: Callable[..., Any] | None = None
 
     def config_from_gguf(self, gf) -> Any:
         return self.config_from_metadata(gf.metadata, gf.tensors)
+
+    def windows(self, cfg) -> tuple[int, ...]:
+        """The distinct attention windows of a config's layers, 0 (full
+        causal) first when some layer has it: one mask each."""
+        return tuple(sorted({int(self.sliding_window(cfg, i)) for i in range(cfg.n_layer)}))
 
 
 #: entry-point group of architectures other distributions add (see the module docstring)
@@ -165,9 +205,11 @@ def get(name: str | None) -> Any:
     """The architecture object (``ARCH``) for a ``general.architecture``
     value or a family name; ``UnsupportedModelError`` listing the registered
     ones for anything else."""
-    module = _MODULES.get(name) if isinstance(name, str) else None
+    module = (_MODULES.get(name) or _FAMILIES.get(name)) if isinstance(name, str) else None
     if module is None and isinstance(name, str):
         module = _entry_points().get(name)  # an architecture another distribution adds
+    if module is None and name in _REFUSED:
+        raise UnsupportedModelError(f"architecture {name!r} is not supported: {_REFUSED[name]}")
     if module is None:
         extra = plugins()
         raise UnsupportedModelError(

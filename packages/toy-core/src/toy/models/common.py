@@ -7,7 +7,14 @@ Shapes are NumPy order. Invariants:
   and built here only: ``position_mask`` (the KV cache's: a query at
   position p sees cells 0..p), ``causal_mask`` (a whole sequence, with
   optional padding columns) and ``block_causal_mask`` (training rows of
-  packed documents);
+  packed documents). Each takes a sliding ``window`` W (0: none): a key
+  W or more positions before the query is masked too, so a query sees W
+  keys, itself included (llama.cpp's standard SWA). An architecture whose
+  layers have different windows (``arch.windows(cfg)``) gets one mask per
+  window: the callers pass ``{window: mask}`` and ``layer_masks`` hands
+  each layer its own;
+- an attention soft-cap c (``arch.attention_softcap``) turns the scaled
+  scores s into ``c · tanh(s / c)`` before the mask;
 - attention is batched over heads: Q (H, Tq, D) against K (H_kv, n_kv, D)
   in one ``mul_mat`` (ggml's broadcast gives query head ``h`` the key/value
   head ``h // (H / H_kv)``: GQA grouping), one ``soft_max`` with the mask
@@ -19,6 +26,8 @@ Shapes are NumPy order. Invariants:
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -27,38 +36,70 @@ def padded_length(n_tokens: int, pad: int) -> int:
     return -(-n_tokens // pad) * pad
 
 
-def position_mask(q_pos: np.ndarray, n_kv: int) -> np.ndarray:
-    """F32 (len(q_pos), n_kv): 0 where cell <= the query's position, -inf after."""
+def position_mask(q_pos: np.ndarray, n_kv: int, window: int = 0) -> np.ndarray:
+    """F32 (len(q_pos), n_kv): 0 where cell <= the query's position (and,
+    with a ``window`` W > 0, cell > position - W), -inf elsewhere."""
     q_pos = np.asarray(q_pos)
-    return np.where(np.arange(n_kv)[None, :] <= q_pos[:, None], np.float32(0), np.float32(-np.inf)).astype(np.float32)
+    cells = np.arange(n_kv)[None, :]
+    allowed = cells <= q_pos[:, None]
+    if window:
+        allowed &= cells > q_pos[:, None] - window
+    return np.where(allowed, np.float32(0), np.float32(-np.inf)).astype(np.float32)
 
 
-def causal_mask(n_tokens: int, n_kv: int | None = None) -> np.ndarray:
+def causal_mask(n_tokens: int, n_kv: int | None = None, window: int = 0) -> np.ndarray:
     """F32 (T, n_kv) (n_kv >= T, default T): 0 where key position <= query
-    position, -inf after (the padding columns past T included)."""
+    position (and within ``window``), -inf elsewhere (the padding columns
+    past T included)."""
     n_kv = n_tokens if n_kv is None else n_kv
     if n_kv < n_tokens:
         raise ValueError(f"causal_mask: n_kv={n_kv} < n_tokens={n_tokens}")
-    return position_mask(np.arange(n_tokens), n_kv)
+    return position_mask(np.arange(n_tokens), n_kv, window)
 
 
-def block_causal_mask(doc: np.ndarray, block_causal: bool = True) -> np.ndarray:
+def block_causal_mask(doc: np.ndarray, block_causal: bool = True, window: int = 0) -> np.ndarray:
     """F32 (B, 1, T, T) for rows of document ids ``doc`` (B, T): 0 where
-    query t may attend key s (s <= t, and the same document when
-    ``block_causal``), -inf elsewhere."""
+    query t may attend key s (s <= t, the same document when
+    ``block_causal``, and t - s < ``window`` when W > 0: within a document
+    the row distance is the position distance), -inf elsewhere."""
     doc = np.asarray(doc)
     t = doc.shape[1]
-    allowed = np.tril(np.ones((t, t), dtype=bool))[None]  # (1, T, T) [query, key]
+    allowed = np.tril(np.ones((t, t), dtype=bool))
+    if window:
+        allowed &= ~np.tril(np.ones((t, t), dtype=bool), -window)
+    allowed = allowed[None]  # (1, T, T) [query, key]
     if block_causal:
         allowed = allowed & (doc[:, :, None] == doc[:, None, :])
     return np.where(allowed, np.float32(0), np.float32(-np.inf)).astype(np.float32)[:, None]
 
 
-def attention(ctx, q, k, v, mask, scale: float, row_invariant: bool = False):
+def layer_masks(arch, cfg, mask):
+    """``layer -> mask`` for a config, from ``mask``: one mask (every layer
+    attends fully) or ``{window: mask}`` with a mask for each window of
+    ``arch.windows(cfg)`` (a missing one is a ValueError)."""
+    masks = mask if isinstance(mask, dict) else {0: mask}
+    missing = [w for w in arch.windows(cfg) if w not in masks]
+    if missing:
+        raise ValueError(f"no attention mask for window {missing[0]} (the model's windows: {arch.windows(cfg)})")
+    return lambda layer: masks[int(arch.sliding_window(cfg, layer))]
+
+
+def soft_capped(ctx, kq, scale: float, softcap: float):
+    """The scores after scaling and the soft-cap, and the factor the
+    softmax applies: (kq, scale) unchanged without a cap, else
+    (tanh(kq · scale / c), c), so that soft_max(·, mask, c) computes
+    softmax(c · tanh(s / c) + mask)."""
+    if not softcap:
+        return kq, scale
+    return ctx.tanh(ctx.scale(kq, scale / softcap)), softcap
+
+
+def attention(ctx, q, k, v, mask, scale: float, row_invariant: bool = False, softcap: float = 0.0):
     """Attention batched over heads: q (H, Tq, D), k (H_kv, n_kv, D),
     v (H_kv, D, n_kv) (V transposed, as the KV cache stores it), mask F32
-    (Tq, n_kv) -> (Tq, H * D)."""
-    kq = ctx.soft_max(ctx.mul_mat(k, q, row_invariant=row_invariant), mask, scale)  # (H, Tq, n_kv)
+    (Tq, n_kv) -> (Tq, H * D). ``softcap``: see ``soft_capped``."""
+    kq, scale = soft_capped(ctx, ctx.mul_mat(k, q, row_invariant=row_invariant), scale, softcap)
+    kq = ctx.soft_max(kq, mask, scale)  # (H, Tq, n_kv)
     a = ctx.mul_mat(v, kq, row_invariant=row_invariant)  # (H, Tq, D)
     H, T, D = a.shape
     return ctx.reshape(ctx.cont(ctx.permute(a, (1, 0, 2))), (T, H * D))
@@ -67,7 +108,8 @@ def attention(ctx, q, k, v, mask, scale: float, row_invariant: bool = False):
 def forward_logits(ctx, cfg, weights, tokens, pos, mask, n_tokens: int, kv_type=None):
     """Logits (T, n_vocab) F32 of one sequence without a KV cache, for any
     architecture: ``tokens``/``pos`` I32 (T,), ``mask`` F32 (T, n_kv)
-    (``causal_mask``). With n_kv > T the keys and values get n_kv - T zero
+    (``causal_mask``), or ``{window: mask}`` for a model with sliding
+    windows (``layer_masks``). With n_kv > T the keys and values get n_kv - T zero
     rows, masked out: the attention then has llama.cpp's padded KV length (a
     multiple of 32 without flash attention), so its F16 matmuls take the
     same kernels and sums. ``kv_type`` (e.g. F16) rounds K and V to that
@@ -76,9 +118,11 @@ def forward_logits(ctx, cfg, weights, tokens, pos, mask, n_tokens: int, kv_type=
 
     arch = models.of(cfg)
     T = n_tokens
-    n_kv = mask.shape[-1]
-    if mask.shape != (T, n_kv) or n_kv < T:
-        raise ValueError(f"forward_logits: mask {mask.shape} must be ({T}, n_kv >= {T})")
+    mask_of = layer_masks(arch, cfg, mask)
+    n_kv = mask_of(0).shape[-1]
+    for m in mask.values() if isinstance(mask, dict) else (mask,):
+        if m.shape != (T, n_kv) or n_kv < T:
+            raise ValueError(f"forward_logits: mask {m.shape} must be ({T}, n_kv >= {T}), all of one shape")
 
     def attend(layer, q, k, v):
         q = ctx.permute(q, (1, 0, 2))  # (H, T, D)
@@ -89,7 +133,8 @@ def forward_logits(ctx, cfg, weights, tokens, pos, mask, n_tokens: int, kv_type=
             v = ctx.pad(v, ((0, 0), (0, 0), (0, n_kv - T)))
         if kv_type is not None:
             k, v = ctx.cast(k, kv_type), ctx.cast(v, kv_type)
-        return attention(ctx, q, k, v, mask, arch.attention_scale(cfg, layer))
+        scale, cap = arch.attention_scale(cfg, layer), arch.attention_softcap(cfg, layer)
+        return attention(ctx, q, k, v, mask_of(layer), scale, softcap=cap)
 
     return arch.forward(ctx, cfg, weights, tokens, pos, attend)
 
@@ -98,7 +143,7 @@ def forward_batch(ctx, cfg, weights, tokens, pos, mask, batch: int, keep=None, l
     """Logits (B*T, V) of B rows of T tokens at once, for training, for any
     architecture: ``tokens`` and ``pos`` I32 (B*T,) (row-major), ``mask`` F32
     (B, 1, T, T) additive attention mask (``block_causal_mask``), broadcast
-    over heads. ``keep`` (F32 (B*T, 1), optional) multiplies the final hidden
+    over heads, or ``{window: mask}`` for a model with sliding windows. ``keep`` (F32 (B*T, 1), optional) multiplies the final hidden
     states before the head: a row multiplied by 0 contributes nothing to any
     weight's gradient, which is how rows without a target leave the loss.
 
@@ -115,8 +160,10 @@ def forward_batch(ctx, cfg, weights, tokens, pos, mask, batch: int, keep=None, l
     if N % batch:
         raise ValueError(f"forward_batch: {N} tokens do not split into {batch} rows")
     T, H, Hkv, D = N // batch, cfg.n_head, cfg.n_head_kv, cfg.head_dim
-    if mask.shape != (batch, 1, T, T):
-        raise ValueError(f"forward_batch: mask {mask.shape} must be ({batch}, 1, {T}, {T})")
+    mask_of = layer_masks(arch, cfg, mask)
+    for m in mask.values() if isinstance(mask, dict) else (mask,):
+        if m.shape != (batch, 1, T, T):
+            raise ValueError(f"forward_batch: mask {m.shape} must be ({batch}, 1, {T}, {T})")
 
     def heads(x, n, axes, shape):  # (N, n, D) -> rows-and-heads-major, contiguous
         return ctx.reshape(ctx.cont(ctx.permute(ctx.reshape(x, (batch, T, n, D)), axes)), shape)
@@ -126,14 +173,38 @@ def forward_batch(ctx, cfg, weights, tokens, pos, mask, batch: int, keep=None, l
         k = heads(k, Hkv, (0, 2, 1, 3), (batch * Hkv, T, D))
         v = heads(v, Hkv, (0, 2, 3, 1), (batch * Hkv, D, T))
         kq = ctx.reshape(ctx.mul_mat(k, q), (batch, H, T, T))
-        kq = ctx.reshape(ctx.soft_max(kq, mask, arch.attention_scale(cfg, layer)), (batch * H, T, T))
+        kq, scale = soft_capped(ctx, kq, arch.attention_scale(cfg, layer), arch.attention_softcap(cfg, layer))
+        kq = ctx.reshape(ctx.soft_max(kq, mask_of(layer), scale), (batch * H, T, T))
         a = ctx.reshape(ctx.mul_mat(v, kq), (batch, H, T, D))
         return ctx.reshape(ctx.cont(ctx.permute(a, (0, 2, 1, 3))), (N, H * D))
 
     h = arch.forward(ctx, cfg, weights, tokens, pos, attend, head=False, lora=lora)  # (N, d)
     if keep is not None:
         h = ctx.mul(h, keep)
-    return ctx.mul_mat(weights[arch.output_weight(cfg)], h)
+    return final_softcapped(ctx, arch, cfg, ctx.mul_mat(weights[arch.output_weight(cfg)], h))
+
+
+def final_softcapped(ctx, arch, cfg, logits):
+    """``c · tanh(logits / c)`` for an architecture with a final soft-cap c
+    (``arch.final_softcap``), the logits unchanged otherwise."""
+    cap = arch.final_softcap(cfg)
+    if not cap:
+        return logits
+    return ctx.scale(ctx.tanh(ctx.scale(logits, 1.0 / cap)), cap)
+
+
+def gelu_tanh(ctx, x, how: str = "table"):
+    """GELU in its tanh form: ggml's (``how="table"``: on the CPU it reads a
+    float16 table, as llama.cpp's graph does, so toy's logits equal
+    llama.cpp's) or ``how="exact"``: 0.5 x (1 + tanh(sqrt(2/pi) (x +
+    0.044715 x^3))) composed in float32 from ggml ops, as PyTorch computes
+    it. Both train (GELU's backward is toy-ggml patch 0002, TANH's 0012)."""
+    if how == "table":
+        return ctx.gelu(x)
+    if how != "exact":
+        raise ValueError(f"gelu={how!r}: 'table' or 'exact'")
+    u = ctx.scale(ctx.add(x, ctx.scale(ctx.mul(ctx.mul(x, x), x), 0.044715)), math.sqrt(2.0 / math.pi))
+    return ctx.mul(ctx.scale(x, 0.5), ctx.scale(ctx.tanh(u), 1.0, 1.0))  # 0.5 x · (1 + tanh u)
 
 
 def lora_linear(ctx, weights, lora, row_invariant: bool = False):
@@ -158,9 +229,13 @@ __all__ = [
     "attention",
     "block_causal_mask",
     "causal_mask",
+    "final_softcapped",
     "forward_batch",
     "forward_logits",
+    "gelu_tanh",
+    "layer_masks",
     "lora_linear",
     "padded_length",
     "position_mask",
+    "soft_capped",
 ]

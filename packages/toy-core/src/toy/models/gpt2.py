@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from toy.models import Architecture, LoraTarget, ParamInfo, UnsupportedModelError
-from toy.models.common import lora_linear
+from toy.models.common import gelu_tanh, lora_linear
 
 _LAYER_TENSORS = (
     "attn_norm.weight",
@@ -57,8 +57,8 @@ class GPT2Config:
     # "table": ggml's GELU, which on the CPU reads a float16 table of the
     # function, as llama.cpp's graph does (toy's logits then equal
     # llama.cpp's); "exact": the tanh formula composed from ggml ops in
-    # float32, as Hugging Face computes it (inference only: ggml has no TANH
-    # backward). Files always load as "table"; set it with dataclasses.replace.
+    # float32, as Hugging Face computes it (``common.gelu_tanh``). Files
+    # always load as "table"; set it with dataclasses.replace.
     gelu: str = "table"
 
     @property
@@ -152,23 +152,12 @@ def forward(
         x = ctx.add(x, affine(f"{p}.attn_output", a))
         if out_rows is not None and i == cfg.n_layer - 1:
             x = ctx.get_rows(x, out_rows)  # (N, d): the rows whose logits are wanted
-        h = _gelu(ctx, affine(f"{p}.ffn_up", norm(x, f"{p}.ffn_norm")), cfg.gelu)
+        h = gelu_tanh(ctx, affine(f"{p}.ffn_up", norm(x, f"{p}.ffn_norm")), cfg.gelu)
         x = ctx.add(x, affine(f"{p}.ffn_down", h))
     x = norm(x, "output_norm")
     if not head:
         return x  # (N, d)
     return mm(weights[output_weight(cfg)], x)  # (N, V)
-
-
-def _gelu(ctx, x, how: str):
-    """GELU, tanh form: ggml's (float16 table on the CPU) or, with
-    ``how="exact"``, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) in float32."""
-    if how == "table":
-        return ctx.gelu(x)
-    if how != "exact":
-        raise ValueError(f"gelu={how!r}: 'table' or 'exact'")
-    u = ctx.scale(ctx.add(x, ctx.scale(ctx.mul(ctx.mul(x, x), x), 0.044715)), math.sqrt(2.0 / math.pi))
-    return ctx.mul(ctx.scale(x, 0.5), ctx.scale(ctx.tanh(u), 1.0, 1.0))  # 0.5 x · (1 + tanh u)
 
 
 def _third(ctx, qkv, j: int, T: int, H: int, D: int):

@@ -72,15 +72,17 @@ class FullModel:
         return cls(cfg, gf, weights, runtime, kv_type=kv_type, kv_pad=kv_pad)
 
     def _build(self, n: int) -> _Step:
-        cin = toy_ggml.Context(max_tensors=8)
+        n_kv = padded_length(n, self.kv_pad)
+        windows = models.of(self.cfg).windows(self.cfg)  # one causal mask per attention window
+        cin = toy_ggml.Context(max_tensors=8 + len(windows))
         tokens = cin.tensor(toy_ggml.GGMLType.I32, (n,), name="tokens")
         pos = cin.tensor(toy_ggml.GGMLType.I32, (n,), name="pos")
-        n_kv = padded_length(n, self.kv_pad)
-        mask = cin.tensor(toy_ggml.GGMLType.F32, (n, n_kv), name="mask")
+        mask = {w: cin.tensor(toy_ggml.GGMLType.F32, (n, n_kv), name=f"mask.w{w}") for w in windows}
         cin.allocate(self.runtime)
         pos.set(np.arange(n, dtype=np.int32))
-        mask.set(causal_mask(n, n_kv))
-        size = 64 * self.cfg.n_layer + 256
+        for w, m in mask.items():
+            m.set(causal_mask(n, n_kv, w))
+        size = 80 * self.cfg.n_layer + 256
         ops = toy_ggml.Context(max_tensors=size)
         out = forward_logits(ops, self.cfg, self.weights, tokens, pos, mask, n, kv_type=self.kv_type)
         out.set_output()

@@ -51,7 +51,7 @@ nodes; accumulators (only with accumulation) add 1x.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -114,6 +114,14 @@ class BatchInputs:
     pos: toy_ggml.Tensor  # I32 (N,)
     mask: toy_ggml.Tensor  # F32 (B, 1, T, T) additive attention mask
     keep: toy_ggml.Tensor  # F32 (N, 1): 1 where the row has a target
+    # the masks of a model with sliding windows: window -> F32 (B, 1, T, T)
+    window_masks: dict[int, toy_ggml.Tensor] = field(default_factory=dict)
+
+    @property
+    def masks(self):
+        """What ``forward_batch`` takes: the mask, or ``{window: mask}``
+        (window 0: ``mask``) for a model with sliding windows."""
+        return {0: self.mask, **self.window_masks} if self.window_masks else self.mask
 
 
 class Feed(Protocol):
@@ -135,7 +143,17 @@ class Feed(Protocol):
 
 class TokenFeed:
     """The language models' feed: a ``toy.train.data.Batch`` of (B, T)
-    token ids, positions and document ids."""
+    token ids, positions and document ids. ``windows``: the sliding windows
+    of the model's layers (``arch.windows(cfg)``), each a mask of its own."""
+
+    def __init__(self, windows=()):
+        self.windows = tuple(w for w in windows if w)
+
+    @classmethod
+    def for_config(cls, cfg) -> TokenFeed:
+        from toy import models
+
+        return cls(models.of(cfg).windows(cfg))
 
     def rows(self, batch: int, context: int) -> int:
         return batch * context
@@ -151,6 +169,7 @@ class TokenFeed:
             ctx.tensor(I32, (n,), name="pos"),
             ctx.tensor(F32, (batch, 1, context, context), name="mask"),
             ctx.tensor(F32, (n, 1), name="keep"),
+            {w: ctx.tensor(F32, (batch, 1, context, context), name=f"mask.w{w}") for w in self.windows},
         )
 
     def upload(self, inputs: BatchInputs, batch) -> None:
@@ -161,7 +180,10 @@ class TokenFeed:
         keep = np.asarray(batch.loss_mask, np.float32).reshape(-1)
         inputs.tokens.set(tokens.reshape(-1))
         inputs.pos.set(np.asarray(batch.pos, np.int32).reshape(-1))
-        inputs.mask.set(block_causal_mask(np.asarray(batch.doc), block_causal=True))
+        doc = np.asarray(batch.doc)
+        inputs.mask.set(block_causal_mask(doc, block_causal=True))
+        for w, t in inputs.window_masks.items():
+            t.set(block_causal_mask(doc, block_causal=True, window=w))
         inputs.keep.set((keep > 0).astype(np.float32).reshape(-1, 1))
 
 
@@ -434,7 +456,8 @@ class TrainEngine:
             raise ValueError("next_token_logits: no tokens")
         T = self.context
         if self._row is None:
-            cin = toy_ggml.Context(max_tensors=8)
+            windows = self.feed.windows
+            cin = toy_ggml.Context(max_tensors=8 + len(windows))
             inp = BatchInputs(
                 1,
                 T,
@@ -442,10 +465,13 @@ class TrainEngine:
                 cin.tensor(I32, (T,), name="row_pos"),
                 cin.tensor(F32, (1, 1, T, T), name="row_mask"),
                 cin.tensor(F32, (T, 1), name="row_keep"),
+                {w: cin.tensor(F32, (1, 1, T, T), name=f"row_mask.w{w}") for w in windows},
             )
             cin.allocate(self.runtime)
             inp.pos.set(np.arange(T, dtype=np.int32))
             inp.mask.set(causal_mask(T).reshape(1, 1, T, T))
+            for w, t in inp.window_masks.items():
+                t.set(causal_mask(T, window=w).reshape(1, 1, T, T))
             inp.keep.set(np.ones((T, 1), np.float32))
             cap = self._graph_capacity()
             ops = self._ops_context(max_tensors=cap * 2)

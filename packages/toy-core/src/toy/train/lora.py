@@ -43,7 +43,7 @@ from toy import models
 from toy.errors import BadInputError
 from toy.models.common import forward_batch
 from toy.train.config import LoraConfig as LoraSettings  # the [lora] table of a run's config
-from toy.train.engine import BatchInputs, ParamSpec
+from toy.train.engine import BatchInputs, ParamSpec, TokenFeed
 
 F32 = toy_ggml.GGMLType.F32
 
@@ -103,6 +103,7 @@ class LoraTrain:
     ):
         self.cfg, self.base, self.settings = cfg, base, settings.resolved(cfg)
         self.n_vocab = cfg.n_vocab
+        self.feed = TokenFeed.for_config(cfg)
         self.shapes = lora_shapes({n: tuple(t.shape) for n, t in base.items()}, cfg, self.settings)
         self.seed = int(seed)
         self._masks: dict[tuple[int, str], toy_ggml.Tensor] = {}
@@ -132,7 +133,7 @@ class LoraTrain:
                 drop = self._masks.get((i, known[t].site)) if training else None
                 lora[w] = [(params[f"{w}.lora_a"], params[f"{w}.lora_b"], s.scale, drop)]
         return forward_batch(
-            ctx, self.cfg, self.base, inputs.tokens, inputs.pos, inputs.mask, inputs.batch, keep=inputs.keep, lora=lora
+            ctx, self.cfg, self.base, inputs.tokens, inputs.pos, inputs.masks, inputs.batch, keep=inputs.keep, lora=lora
         )
 
     def before_compute(self, step: int, micro: int) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 import toy_ggml
 from toy import models
 from toy.models.common import forward_batch
-from toy.train.engine import BatchInputs, ParamSpec
+from toy.train.engine import BatchInputs, ParamSpec, TokenFeed
 
 
 class ArchTrain:
@@ -41,6 +41,7 @@ class ArchTrain:
         self.arch = models.of(cfg)
         self.n_vocab = cfg.n_vocab
         self.frozen = dict(frozen or {})
+        self.feed = TokenFeed.for_config(cfg)
 
     def param_specs(self) -> list[ParamSpec]:
         return [ParamSpec(n, p.shape, p.kind) for n, p in self.arch.params(self.cfg).items() if n not in self.frozen]
@@ -50,7 +51,7 @@ class ArchTrain:
     ) -> toy_ggml.Tensor:
         weights = {**self.frozen, **params} if self.frozen else params
         return forward_batch(
-            ctx, self.cfg, weights, inputs.tokens, inputs.pos, inputs.mask, inputs.batch, keep=inputs.keep
+            ctx, self.cfg, weights, inputs.tokens, inputs.pos, inputs.masks, inputs.batch, keep=inputs.keep
         )
 
 
