@@ -179,7 +179,8 @@ def _describe_lines(path: Path, size: int, s, ftype_label) -> list[str]:
             att += f", value dim {s.head_dim_v}"
         rows.append(("attention", att))
     if s.d_ff is not None:
-        rows.append(("d_ff", f"{s.d_ff}" + (f" ({'SwiGLU' if s.mlp == 'swiglu' else 'GELU'})" if s.mlp else "")))
+        mlp = {"swiglu": "SwiGLU", "geglu": "GeGLU", "gelu": "GELU"}.get(s.mlp or "", s.mlp)
+        rows.append(("d_ff", f"{s.d_ff}" + (f" ({mlp})" if mlp else "")))
     for key, vals in s.per_layer.items():
         rows.append(("  per layer", f"{key}: {vals}"))
     if not s.language_model:  # a plugin architecture (e.g. toy-vit's): its own rows, no LM-only ones
@@ -215,6 +216,10 @@ def _describe_lines(path: Path, size: int, s, ftype_label) -> list[str]:
         tok += f" (pre: {s.tokenizer_pre})"
     rows.append(("tokenizer", tok))
     rows.append(("chat template", yn(s.chat_template)))
+    if s.extra:  # a family's own facts (Gemma's windows and soft-caps)
+        from toy.models.card import extra_rows
+
+        rows += extra_rows(s)
     return [f"{k:<14} {v}" for k, v in rows]
 
 

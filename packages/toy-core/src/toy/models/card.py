@@ -56,7 +56,7 @@ class ModelSummary:
     norm: str | None = None  # "rms" or "layer"
     norm_eps: float | None = None
     positions: str | None = None  # "rope", "learned" or None
-    mlp: str | None = None  # "swiglu", "gelu" or None
+    mlp: str | None = None  # "swiglu", "gelu", "geglu" (a family's own summary says) or None
     tied_output: bool | None = None
     qkv_bias: bool = False
     qkv_fused: bool = False
@@ -211,6 +211,7 @@ def summary_from(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> Mod
             s.language_model, s.tied_output, s.vocab = False, None, None
         if getattr(plugin, "summary", None) is not None:
             s.extra = dict(plugin.summary(metadata, tensors))
+            s.mlp = s.extra.pop("mlp", s.mlp)  # a family may name its feed-forward (Gemma: "geglu")
     return s
 
 

@@ -425,16 +425,23 @@ def _summary(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict[st
         return {}  # toy describe still shows the generic fields
     swa = [i for i in range(cfg.n_layer) if cfg.window(i)]
     return {
+        "mlp": "geglu",
         "rope_base": cfg.rope_base,
         "sliding_window": cfg.sliding_window,
         "sliding_layers": swa,
         "global_layers": [i for i in range(cfg.n_layer) if i not in swa],
         "rope_base_swa": cfg.rope_base_swa,
+        "rope_freq_scale": cfg.rope_freq_scale,
+        "rope_freq_scale_swa": 1.0 if cfg.architecture == "gemma3" else cfg.rope_freq_scale,
         "attn_softcap": cfg.attn_softcap,
         "final_softcap": cfg.final_softcap,
         "attn_scale": cfg.attn_scale,
         "embed_scale": float(math.sqrt(float(cfg.d_model))),
     }
+
+
+def _scaling_text(freq_scale) -> str:
+    return f", linear scaling ×{1.0 / freq_scale:g}" if freq_scale and freq_scale != 1.0 else ", no scaling"
 
 
 def _describe_rows(extra: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -445,7 +452,11 @@ def _describe_rows(extra: Mapping[str, Any]) -> list[tuple[str, str]]:
     rows = [
         ("sliding window", f"{w} positions on layers {layers(extra.get('sliding_layers'))}" if w else "none"),
         ("global layers", layers(extra.get("global_layers"))),
-        ("rope base (sliding)", f"{extra.get('rope_base_swa'):g}"),
+        ("rope (global)", f"NeoX, base {extra.get('rope_base'):g}" + _scaling_text(extra.get("rope_freq_scale"))),
+        (
+            "rope (sliding)",
+            f"NeoX, base {extra.get('rope_base_swa'):g}" + _scaling_text(extra.get("rope_freq_scale_swa")),
+        ),
     ]
     caps = []
     if extra.get("attn_softcap"):
@@ -453,7 +464,7 @@ def _describe_rows(extra: Mapping[str, Any]) -> list[tuple[str, str]]:
     if extra.get("final_softcap"):
         caps.append(f"logits {extra['final_softcap']:g}")
     rows.append(("soft-caps", ", ".join(caps) or "none"))
-    rows.append(("embedding scale", f"√d = {extra.get('embed_scale'):.6g}"))
+    rows.append(("embed scale", f"√d = {extra.get('embed_scale'):.6g}"))
     return rows
 
 
