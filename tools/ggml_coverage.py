@@ -64,6 +64,7 @@ OP_OF_FUNCTION: dict[str, tuple[str, ...]] = {
     "ggml_sigmoid": ("UNARY:SIGMOID",),
     "ggml_gelu": ("UNARY:GELU",),
     "ggml_gelu_erf": ("UNARY:GELU_ERF",),
+    "ggml_erf": ("UNARY:ERF",),
     "ggml_silu": ("UNARY:SILU",),
     "ggml_relu": ("UNARY:RELU",),
     "ggml_swiglu_split": ("GLU:SWIGLU",),

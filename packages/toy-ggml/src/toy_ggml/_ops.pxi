@@ -121,6 +121,8 @@ cdef class Context(_ContextBase):
             p = ggml_silu(self.ptr, a.ptr)
         elif which == 10:
             p = ggml_gelu_erf(self.ptr, a.ptr)
+        elif which == 11:
+            p = ggml_erf(self.ptr, a.ptr)
         else:
             p = ggml_relu(self.ptr, a.ptr)
         return self._r(p, a._ndim)
@@ -161,12 +163,19 @@ cdef class Context(_ContextBase):
         """GELU, exact form 0.5·x·(1 + erf(x/√2)) (float32, no table).
 
         ggml's CPU kernel (ggml-cpu/vec.h, ggml_vec_gelu_erf_f32) evaluates
-        ``0.5f*x*(1.0f + erff(x*SQRT_2_INV))`` per element in float32 with the
-        C library's erff; unlike gelu() it reads no float16 table. For x << 0
-        the 1 + erf cancels, so there the error is absolute (~|x|·2**-24), as in
-        PyTorch's float32 erf GELU, which computes the same expression.
+        ``0.5f*x*(1.0f + erf(x*SQRT_2_INV))`` in float32 with toy's vector erf
+        (patch 0014, see erf()); unlike gelu() it reads no float16 table. For
+        x << 0 the 1 + erf cancels, so there the error is absolute (a few
+        ulp of 1, times |x|/2), as in PyTorch's float32 erf GELU, which
+        computes the same expression.
         """
         return self._unary(a, 10, "gelu_erf")
+
+    def erf(self, Tensor a):
+        """erf(a), float32 (the ERF op of patch 0010). On the CPU toy's vector
+        erf (patch 0014): within 3 ulp of the exact value, +-1 for |a| >= 4,
+        the same bits on every CPU variant."""
+        return self._unary(a, 11, "erf")
 
     def silu(self, Tensor a):
         """a * sigmoid(a)."""

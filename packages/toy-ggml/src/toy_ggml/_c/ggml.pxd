@@ -185,6 +185,7 @@ cdef extern from "ggml.h" nogil:
     ggml_tensor * ggml_sigmoid(ggml_context * ctx, ggml_tensor * a)
     ggml_tensor * ggml_gelu(ggml_context * ctx, ggml_tensor * a)
     ggml_tensor * ggml_gelu_erf(ggml_context * ctx, ggml_tensor * a)
+    ggml_tensor * ggml_erf(ggml_context * ctx, ggml_tensor * a)  # toy patch 0010
     ggml_tensor * ggml_silu(ggml_context * ctx, ggml_tensor * a)
     ggml_tensor * ggml_swiglu_split(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b)
     ggml_tensor * ggml_norm(ggml_context * ctx, ggml_tensor * a, float eps)
