@@ -80,7 +80,10 @@ _MARKS = [(chr(0xE000 + 2 * i), chr(0xE001 + 2 * i)) for i in range(64)]
 
 
 class ChatTemplateError(ToyError):
-    """A chat template is invalid, failed, hit a sandbox limit, or was given bad messages."""
+    """A chat template is invalid, failed, hit a sandbox limit, or was given bad messages
+    (the file or the messages are at fault: the CLI exits 2, the server answers 400)."""
+
+    exit_code = 2
 
 
 class _TemplateRaised(TemplateError):
