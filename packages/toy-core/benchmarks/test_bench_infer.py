@@ -59,6 +59,18 @@ tokens/s records carry the issue's target toy / llama.cpp >= 1.0 and
 deterministic: ``same_greedy_tokens`` still tells whether both sides
 compute the same model.
 
+Gemma (``test_inference_gemma``, issue 16): the same machinery and figures on
+Gemma 3 270M's shape (18 layers, d 640, 4 query heads and 1 key/value head of
+256, d_ff 2048, a 262,144-token vocabulary, tied head; sliding windows of 512
+on layers 0-4, 6-10, 12-16, global layers 5, 11, 17; RoPE bases 10000 and
+1e6) with seeded random weights (``tests/gemma_ref.py``'s scheme and
+tokenizer, the vocabulary padded by the converter), as F32 and Q8_0 files
+made by llama.cpp's converter, cached under ``$TOY_BENCH_MODEL_DIR`` or
+``~/.cache/toy-bench-gemma`` (the first run builds them, minutes). Prompts of
+128, 512 and 896 tokens: the last is longer than the window, so the sliding
+layers' masks cut it. Figure names end in ``gemma3-270m <dtype>``; the
+tokens/s records carry the target toy / llama.cpp >= 1.0.
+
 Portable vs native (``test_inference_native``, issue 19): on the Q4_1 file,
 three sides alternate ``$TOY_BENCH_NATIVE_REPS`` (5) reps: toy on the dev
 (dispatched, portable) toy_ggml, toy on a native build of it made by
@@ -104,6 +116,26 @@ GPT2_DTYPES = {"F32": "f32", "Q8_0": "q8_0"}  # figure label -> the converter's 
 GPT2_NEW_TOKENS = 64
 GPT2_TAG = "gpt2-124m"
 GPT2_TARGET = 1.0  # the issue's target: toy / llama.cpp >= 1.0 in tokens/s
+# Gemma 3 270M's shape (tests/gemma_ref.py fields), seeded random weights
+GEMMA_SHAPE = {
+    "arch": "gemma3",
+    "hidden_size": 640,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 18,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "sliding_window": 512,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "final_logit_softcapping": None,
+    "tie_word_embeddings": True,
+}
+GEMMA_VOCAB = 262_144
+GEMMA_DTYPES = {"F32": "f32", "Q8_0": "q8_0"}
+GEMMA_PROMPT_LENGTHS = (128, 512, 896)  # 896 > the sliding window
+GEMMA_TAG = "gemma3-270m"
 
 
 # ---------------------------------------------------------------- setup
@@ -131,19 +163,19 @@ def prompt_ids(smollm2_path, tmp_path_factory) -> Path:
     return write_prompt_ids(smollm2_path, tmp_path_factory.mktemp("bench_infer_prompts"))
 
 
-def write_prompt_ids(model: Path, folder: Path) -> Path:
+def write_prompt_ids(model: Path, folder: Path, lengths=PROMPT_LENGTHS) -> Path:
     """TEXT (repeated as needed) tokenized by toy's tokenizer of ``model``, cut
-    to the prompt lengths, written as ``folder/ids.json``."""
+    to the prompt ``lengths``, written as ``folder/ids.json``."""
     from toy.tokenizer import Tokenizer
 
     tok = Tokenizer.from_file(model)
-    need = max(PROMPT_LENGTHS)
+    need = max(lengths)
     text = TEXT
     ids = tok.encode(text)
     while len(ids) < need:
         text += TEXT
         ids = tok.encode(text)
-    spec = {"prompts": {str(n): ids[:n] for n in PROMPT_LENGTHS}, "short": ids[:SHORT_PROMPT]}
+    spec = {"prompts": {str(n): ids[:n] for n in lengths}, "short": ids[:SHORT_PROMPT]}
     path = folder / "ids.json"
     path.write_text(json.dumps(spec))
     return path
@@ -173,6 +205,51 @@ def gpt2_models() -> dict[str, Path]:
 def gpt2_prompt_ids(gpt2_models, tmp_path_factory) -> Path:
     """The prompts as token ids of toy's tokenizer from the GPT-2 file."""
     return write_prompt_ids(gpt2_models["F32"], tmp_path_factory.mktemp("bench_infer_gpt2_prompts"))
+
+
+def _gemma_ref():
+    """tests/gemma_ref.py as a module (it imports gpt2_ref, registered first)."""
+    import importlib.util
+
+    _gpt2_ref()
+    name = "gemma_ref"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, HERE.parent / "tests" / "gemma_ref.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def gemma_models() -> dict[str, Path]:
+    """The Gemma-3-270M-shaped model (seed 0) as F32 and Q8_0 GGUF files made by
+    llama.cpp's converter, cached (see the module docstring)."""
+    import hashlib
+
+    ref = _gemma_ref()
+    key = hashlib.sha256(json.dumps([GEMMA_SHAPE, GEMMA_VOCAB, ref.recipe("gemma3-tiny", 0, "f32")]).encode())
+    root = Path(os.environ.get("TOY_BENCH_MODEL_DIR") or Path.home() / ".cache" / "toy-bench-gemma")
+    folder = root / f"gemma3-270m-{key.hexdigest()[:12]}"
+    hf = folder / "hf"
+    if not (hf / "model.safetensors").is_file():
+        stage = folder / ".hf-stage"
+        ref.make_hf_gemma(stage, seed=0, vocab_size=GEMMA_VOCAB, **GEMMA_SHAPE)
+        stage.rename(hf)
+    out = {}
+    for dtype, outtype in GEMMA_DTYPES.items():
+        path = folder / f"gemma3-270m-{outtype}.gguf"
+        if not path.is_file():
+            tmp = path.with_name(f".tmp-{path.name}")
+            ref.gpt2_ref.convert_to_gguf(hf, tmp, outtype, model_name="toy-bench-gemma3-270m")
+            tmp.rename(path)
+        out[dtype] = path
+    return out
+
+
+@pytest.fixture(scope="module")
+def gemma_prompt_ids(gemma_models, tmp_path_factory) -> Path:
+    return write_prompt_ids(gemma_models["F32"], tmp_path_factory.mktemp("bench_infer_gemma"), GEMMA_PROMPT_LENGTHS)
 
 
 def run_sides(
@@ -280,6 +357,24 @@ def test_inference_gpt2(record, gpt2_models, gpt2_prompt_ids, tmp_path, dtype):
     )
 
 
+@pytest.mark.parametrize("dtype", list(GEMMA_DTYPES))
+def test_inference_gemma(record, gemma_models, gemma_prompt_ids, tmp_path, dtype):
+    report(
+        record,
+        gemma_models[dtype],
+        gemma_prompt_ids,
+        tmp_path,
+        dtype,
+        tag=f"{GEMMA_TAG} {dtype}",
+        new_tokens=GPT2_NEW_TOKENS,
+        target=1.0,
+        prompt_lengths=GEMMA_PROMPT_LENGTHS,
+        arch="gemma3",
+        shape="Gemma 3 270M (18 layers, d 640, 4/1 heads of 256, d_ff 2048, vocabulary 262144, window 512)",
+        weights="seeded random (tests/gemma_ref.py's scheme, seed 0), converted by llama.cpp's convert_hf_to_gguf.py",
+    )
+
+
 def report(
     record,
     model: Path,
@@ -290,6 +385,7 @@ def report(
     tag: str | None = None,
     new_tokens: int = NEW_TOKENS,
     target: float | None = None,
+    prompt_lengths=PROMPT_LENGTHS,
     **model_context,
 ) -> None:
     """Run both sides on ``model`` and print the records; figure names end in
@@ -336,7 +432,7 @@ def report(
             peer_runs=pf[key] if pf is not None else None,
         )
 
-    for n in PROMPT_LENGTHS:
+    for n in prompt_lengths:
         pair(f"prefill {n} tokens, {tag}", f"prefill_{n}", "tokens/s", "higher", targeted=True, prompt_tokens=n)
     pair(
         f"time to first token, 128-token prompt, {tag}",

@@ -350,15 +350,17 @@ def hf_config(arch: str, *, vocab_size: int, **fields):
     return cfg
 
 
-def make_hf_gemma(out_dir, *, arch: str, seed: int, **fields) -> Path:
+def make_hf_gemma(out_dir, *, arch: str, seed: int, vocab_size: int | None = None, **fields) -> Path:
     """A seeded random ``Gemma2ForCausalLM`` / ``Gemma3ForCausalLM`` saved in
-    ``out_dir`` (float32 safetensors) with the tokenizer files."""
+    ``out_dir`` (float32 safetensors) with the tokenizer files. ``vocab_size``
+    (default: the tokenizer's) may be larger: the converter pads the
+    vocabulary with unused tokens (the benchmarks' full-size shapes)."""
     import torch
     from transformers import Gemma2ForCausalLM, Gemma3ForCausalLM
 
     out = Path(out_dir)
     gemma_tokenizer_files(out)
-    cfg = hf_config(arch, vocab_size=sp_vocab_size(), **fields)
+    cfg = hf_config(arch, vocab_size=vocab_size or sp_vocab_size(), **fields)
     torch.manual_seed(seed)
     model = (Gemma2ForCausalLM if arch == "gemma2" else Gemma3ForCausalLM)(cfg).float().eval()
     # every parameter drawn anew in named_parameters order from one torch
