@@ -32,7 +32,11 @@ llama.cpp's layout and semantics (its converter's ``Gemma2Model`` /
 
 GELU: ``gelu="table"`` (files load so) is ggml's, which on the CPU reads a
 float16 table as llama.cpp's graph does; ``"exact"`` is the float32 tanh
-formula, as Hugging Face computes it (``common.gelu_tanh``). Gemma 3n
+formula, as Hugging Face computes it (``common.gelu_tanh``). GeGLU is built
+as GELU then MUL, not ggml's fused GEGLU (which has no backward): on the CPU
+the forward bits are the same as llama.cpp's ``ggml_geglu_split``, and both
+ops train (GELU's backward is toy-ggml patch 0002, TANH's, for the soft-caps
+and the exact GELU, patch 0012). Gemma 3n
 (``gemma3n``) and vision towers are refused by name (``toy.models``).
 
 This module is the family's ``ARCH`` in the registry (``toy.models``). Shapes
