@@ -73,6 +73,7 @@ OP_OF_FUNCTION: dict[str, tuple[str, ...]] = {
     "ggml_mean": ("MEAN",),
     "ggml_argmax": ("ARGMAX",),
     "ggml_top_k": ("TOP_K",),
+    "ggml_argsort_top_k": ("ARGSORT", "VIEW"),
     "ggml_norm": ("NORM",),
     "ggml_rms_norm": ("RMS_NORM",),
     "ggml_mul_mat": ("MUL_MAT",),

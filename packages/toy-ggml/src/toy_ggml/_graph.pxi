@@ -15,7 +15,7 @@ BACKWARD_OPS = frozenset({
     "SIN", "COS", "SUM", "SUM_ROWS", "MEAN", "REPEAT", "REPEAT_BACK", "RMS_NORM",
     "NORM", "MUL_MAT", "SCALE", "SET", "CPY", "CONT", "RESHAPE", "VIEW", "PERMUTE",
     "TRANSPOSE", "GET_ROWS", "DIAG_MASK_INF", "DIAG_MASK_ZERO", "SOFT_MAX", "ROPE",
-    "IM2COL", "POOL_2D", "CROSS_ENTROPY_LOSS", "UNARY", "GLU",
+    "IM2COL", "POOL_2D", "CROSS_ENTROPY_LOSS", "UNARY", "GLU", "MUL_MAT_ID", "CLAMP",
 })
 # ggml_unary_op_name() names with a backward case.
 BACKWARD_UNARY_OPS = frozenset({
@@ -61,7 +61,7 @@ cdef set _INDEX_PASSTHROUGH = {_OP_ID[n] for n in ("VIEW", "RESHAPE", "PERMUTE",
 # srcs whose gradient ggml never computes (indices, positions, copy targets)
 cdef dict _IGNORED_SRC = {
     _OP_ID["CPY"]: (1,), _OP_GET_ROWS: (1,), _OP_ID["GET_ROWS_BACK"]: (1,), _OP_ROPE: (1,),
-    _OP_ID["IM2COL"]: (0,), _OP_ID["IM2COL_BACK"]: (0,),
+    _OP_ID["IM2COL"]: (0,), _OP_ID["IM2COL_BACK"]: (0,), _OP_MUL_MAT_ID: (2,),
 }
 
 
@@ -431,9 +431,10 @@ cdef int _check_backward_node(ggml_tensor * node, set needs) except -1:
     if (op == _OP_SUB or op == _OP_DIV) and (<uintptr_t>b) in needs and not ggml_are_same_shape(a, b):
         raise UnsupportedBackwardError(
             f"{_node_desc(node)}: ggml has no gradient for a broadcast second operand of SUB/DIV")
-    if op == _OP_GET_ROWS and (<uintptr_t>a) in needs and not (a.ne[2] == 1 and a.ne[3] == 1):
+    if op == _OP_GET_ROWS and (<uintptr_t>a) in needs and not (a.ne[3] == 1 and b.ne[2] == 1):
         raise UnsupportedBackwardError(
-            f"{_node_desc(node)}: ggml's GET_ROWS gradient needs a 2-D table and 1-D indices")
+            f"{_node_desc(node)}: ggml's GET_ROWS gradient needs a table of at most 3 axes and indices of at most 2"
+            " (toy-ggml patch 0016)")
     if op == _OP_MUL_MAT and (<uintptr_t>a) in needs and (a.ne[2] != b.ne[2] or a.ne[3] != b.ne[3]) \
             and b.ne[3] != 1:
         raise UnsupportedBackwardError(

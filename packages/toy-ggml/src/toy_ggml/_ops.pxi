@@ -233,6 +233,18 @@ cdef class Context(_ContextBase):
         _rows_contig(a, "top_k")
         return self._r(ggml_top_k(self.ptr, a.ptr, k), a._ndim)
 
+    def argsort_top_k(self, Tensor a, int k):
+        """Indices (I32) of the k largest values of each row, largest first:
+        shape (..., k), a view of a descending argsort (ggml_argsort_top_k,
+        what llama.cpp's MoE router uses). Equal values: on the CPU, rows of
+        at most 16 give the lower index first (the C++ library's insertion
+        sort); longer rows depend on the data (its introsort)."""
+        self._in1(a); _f32(a, "argsort_top_k")
+        if k < 1 or k > a.ptr.ne[0]:
+            raise ValueError(f"argsort_top_k: k={k} must be in 1..{a.ptr.ne[0]}")
+        _rows_contig(a, "argsort_top_k")
+        return self._r(ggml_argsort_top_k(self.ptr, a.ptr, k), a._ndim)
+
     # ---------------------------------------------------------------- norms
 
     def rms_norm(self, Tensor a, float eps):
@@ -299,10 +311,13 @@ cdef class Context(_ContextBase):
                 r.op_params[1] = 2  # GGML_HINT_ROW_INVARIANT (patch 0004)
         return self._r(r, _max(2, _max(a._ndim, b._ndim)))
 
-    def mul_mat_id(self, Tensor experts, Tensor b, Tensor ids):
+    def mul_mat_id(self, Tensor experts, Tensor b, Tensor ids, bint row_invariant=False):
         """Mixture-of-experts matmul. experts (E, M, K); b (T, U, K) with U the
         experts per token (or 1, broadcast); ids I32 (T, U) in 0..E-1 ->
-        (T, U, M) F32: out[t, u] = b[t, u] @ experts[ids[t, u]].T."""
+        (T, U, M) F32: out[t, u] = b[t, u] @ experts[ids[t, u]].T.
+        ``row_invariant``: every output row summed by the CPU's vec_dot
+        kernels, whatever other rows chose the same expert (patch 0015: no
+        tiled K-quant path), so a token does not depend on the batch."""
         self._room(2)
         experts._ok(); b._ok(); ids._ok()
         self._use(experts); self._use(b); self._use(ids)
@@ -319,7 +334,10 @@ cdef class Context(_ContextBase):
             raise ValueError(f"mul_mat_id: b {_shp(b)} does not broadcast over ids {_shp(ids)}")
         if ggml_is_transposed(experts.ptr):
             raise ValueError("mul_mat_id: experts must not be transposed")
-        return self._r(ggml_mul_mat_id(self.ptr, experts.ptr, b.ptr, ids.ptr), 3)
+        cdef ggml_tensor * r = ggml_mul_mat_id(self.ptr, experts.ptr, b.ptr, ids.ptr)
+        if row_invariant:
+            r.op_params[1] = 2  # GGML_HINT_ROW_INVARIANT (patches 0004, 0015)
+        return self._r(r, 3)
 
     # ---------------------------------------------------------------- layout
 

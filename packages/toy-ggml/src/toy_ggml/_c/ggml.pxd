@@ -178,6 +178,7 @@ cdef extern from "ggml.h" nogil:
     ggml_tensor * ggml_mean(ggml_context * ctx, ggml_tensor * a)
     ggml_tensor * ggml_argmax(ggml_context * ctx, ggml_tensor * a)
     ggml_tensor * ggml_top_k(ggml_context * ctx, ggml_tensor * a, int k)
+    ggml_tensor * ggml_argsort_top_k(ggml_context * ctx, ggml_tensor * a, int k)
     ggml_tensor * ggml_repeat(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b)
     ggml_tensor * ggml_repeat_4d(ggml_context * ctx, ggml_tensor * a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3)
     ggml_tensor * ggml_concat(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b, int dim)
