@@ -65,6 +65,7 @@ _HELPERS = {
     "cli_helpers": "packages/toy-cli/tests/cli_helpers.py",
     "gpt2_ref": "packages/toy-core/tests/gpt2_ref.py",
     "gemma_ref": "packages/toy-core/tests/gemma_ref.py",
+    "moe_ref": "packages/toy-core/tests/moe_ref.py",
     "gpt2_np": "packages/toy-core/tests/gpt2_np.py",
     "torch_gpt2": "packages/toy-core/tests/torch_gpt2.py",
 }
