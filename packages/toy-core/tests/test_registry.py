@@ -101,7 +101,8 @@ def test_every_registered_architecture_has_the_protocol(name):
     assert {p.kind for p in params.values()} <= set(models.KINDS)
     assert arch.output_weight(cfg) in params
     targets = arch.lora_targets(cfg)
-    assert tuple(targets) == arch.lora_names and set(arch.lora_default) <= set(targets)
+    # a config's targets are among the family's names (a MoE variant trades the dense gate/up/down for router)
+    assert set(targets) <= set(arch.lora_names) and set(arch.lora_default) <= set(targets)
     for t in targets.values():  # every target names a trainable weight of the right shape
         assert params[f"blk.0.{t.stem}.weight"].shape == (t.d_out, t.d_in)
 

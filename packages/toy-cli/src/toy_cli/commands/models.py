@@ -179,8 +179,18 @@ def _describe_lines(path: Path, size: int, s, ftype_label) -> list[str]:
             att += f", value dim {s.head_dim_v}"
         rows.append(("attention", att))
     if s.d_ff is not None:
-        mlp = {"swiglu": "SwiGLU", "geglu": "GeGLU", "gelu": "GELU"}.get(s.mlp or "", s.mlp)
+        mlp = {"swiglu": "SwiGLU", "geglu": "GeGLU", "gelu": "GELU", "moe": "dense width; the layers are experts"}.get(
+            s.mlp or "", s.mlp
+        )
         rows.append(("d_ff", f"{s.d_ff}" + (f" ({mlp})" if mlp else "")))
+    if s.n_expert:
+        experts = f"{s.n_expert} per layer, {s.n_expert_used} used per token, width {s.d_ff_expert} (SwiGLU)"
+        if s.expert_weights_norm:
+            experts += ", weights renormalised"
+        rows.append(("experts", experts))
+        if s.d_ff_shared:
+            rows.append(("shared expert", f"width {s.d_ff_shared}, sigmoid gate"))
+        rows.append(("expert types", ", ".join(f"{t} ×{n}" for t, n in s.expert_types.items()) or "-"))
     for key, vals in s.per_layer.items():
         rows.append(("  per layer", f"{key}: {vals}"))
     if not s.language_model:  # a plugin architecture (e.g. toy-vit's): its own rows, no LM-only ones

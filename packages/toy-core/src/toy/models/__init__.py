@@ -38,9 +38,11 @@ An architecture module defines ``ARCH``, an ``Architecture`` with:
 - ``lora_targets(cfg)``: short target name (``q``, ``qkv``, ``up`` …) ->
   ``LoraTarget(stem, site, d_in, d_out)``: the adapted weight is
   ``blk.N.<stem>.weight``; ``site`` names the activation its product reads
-  (targets on one site share a dropout mask); ``lora_names``, the same
-  names without a config; ``lora_default``, the targets a LoRA run adapts
-  when the config names none;
+  (targets on one site share a dropout mask); ``lora_names``, every name
+  any config of the family has, known without a config (a mixture-of-experts
+  config has ``router`` and no dense ``gate``/``up``/``down``);
+  ``lora_default``, the targets a LoRA run adapts when the config names
+  none (every config has them);
 - ``attention_scale(cfg, layer)``: the factor of Q·K before the softmax;
 - ``output_weight(cfg)``: the name of the head's weight (the embedding when
   tied).
@@ -106,6 +108,9 @@ _MODULES = {
     "llama": "toy.models.llama",
     "qwen2": "toy.models.llama",
     "qwen3": "toy.models.llama",
+    "olmoe": "toy.models.llama",
+    "qwen2moe": "toy.models.llama",
+    "qwen3moe": "toy.models.llama",
     "gpt2": "toy.models.gpt2",
     "gemma2": "toy.models.gemma",
     "gemma3": "toy.models.gemma",

@@ -29,10 +29,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-ROPE_FAMILIES = {"llama", "qwen2", "qwen3"}
+ROPE_FAMILIES = {"llama", "qwen2", "qwen3", "olmoe", "qwen2moe", "qwen3moe"}
 KNOWN = ROPE_FAMILIES | {"gpt2"}
 # llama.cpp's rope type per architecture: NORM rotates pairs (2i, 2i+1), NEOX pairs (i, i + n/2)
-_NEOX = {"qwen2", "qwen3", "gpt2"}
+_NEOX = {"qwen2", "qwen3", "gpt2", "olmoe", "qwen2moe", "qwen3moe"}
 
 
 @dataclass
@@ -71,6 +71,13 @@ class ModelSummary:
     tokenizer_pre: str | None = None
     chat_template: bool = False
     per_layer: dict[str, list[int]] = field(default_factory=dict)  # keys whose value varies by layer
+    # a mixture of experts (0 experts: a dense feed-forward)
+    n_expert: int = 0
+    n_expert_used: int = 0
+    d_ff_expert: int | None = None
+    d_ff_shared: int | None = None
+    expert_weights_norm: bool = False
+    expert_types: dict[str, int] = field(default_factory=dict)  # weight type of the expert tensors -> count
     language_model: bool = True  # False for a plugin architecture that is not one (no vocab, tokenizer…)
     extra: dict[str, Any] = field(default_factory=dict)  # a plugin architecture's own facts
 
@@ -180,6 +187,22 @@ def summary_from(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> Mod
         s.mlp = "swiglu"
     elif has("blk.0.ffn_up.weight"):
         s.mlp = "gelu"  # an up/down MLP without a gate
+    s.n_expert = _int(get("expert_count")) or 0
+    if s.n_expert:
+        s.mlp = "moe"  # routed SwiGLU experts
+        s.n_expert_used = _int(get("expert_used_count")) or 0
+        if arch == "olmoe":
+            s.d_ff_expert = s.d_ff
+        else:
+            s.d_ff_expert = _int(get("expert_feed_forward_length")) or (
+                s.d_ff // s.n_expert_used if s.d_ff and s.n_expert_used else None
+            )
+        if has("blk.0.ffn_up_shexp.weight"):
+            s.d_ff_shared = _int(get("expert_shared_feed_forward_length")) or s.d_ff
+        s.expert_weights_norm = arch == "qwen3moe"  # llama.cpp's graphs: fixed per architecture
+        for n, t in tensors.items():
+            if n.endswith("_exps.weight"):
+                s.expert_types[t.dtype.name] = s.expert_types.get(t.dtype.name, 0) + 1
     s.qkv_fused = has("blk.0.attn_qkv.weight")
     s.qkv_bias = has("blk.0.attn_q.bias") or has("blk.0.attn_qkv.bias")
     s.qk_norm = has("blk.0.attn_q_norm.weight")
@@ -339,7 +362,12 @@ def algorithm_card(s: ModelSummary) -> str:
         )
     if s.qk_norm:
         eps = f", ε = {_num(s.norm_eps)}" if s.norm_eps is not None else ""
-        lines.add("  Q ← RMSNorm(Q | γ_q[l]);  K ← RMSNorm(K | γ_k[l])" + eps, f"per head, over d_h = {dh} (QK-norm)")
+        where = (
+            "over the whole projection, before the head split (QK-norm)"
+            if s.architecture == "olmoe"
+            else (f"per head, over d_h = {dh} (QK-norm)")
+        )
+        lines.add("  Q ← RMSNorm(Q | γ_q[l]);  K ← RMSNorm(K | γ_k[l])" + eps, where)
     if s.positions == "rope":
         lines.add("  Q, K ← RoPE(Q, K; positions 0, …, T−1)", _rope_text(s))
     if Hkv != H and H % Hkv == 0:
@@ -351,7 +379,21 @@ def algorithm_card(s: ModelSummary) -> str:
     bo = " + b_o[l]" if s.biases else ""
     lines.add(f"  X ← X + [A_1, …, A_{H}]·W_o[l]{bo}", f"W_o ∈ ℝ^{{{H * (dv or 0)}×{d}}}; residual")
     lines.add("  Y ← " + _norm(s, "γ_2[l]", "β_2[l]"))
-    if s.mlp == "gelu":
+    if s.mlp == "moe":
+        E, k, F = s.n_expert, s.n_expert_used, _d(s.d_ff_expert)
+        lines.add("  p ← softmax(Y·W_r[l])", f"router W_r ∈ ℝ^{{{d}×{E}}}; p ∈ (0,1)^{{T×{E}}}")
+        norm_w = ", renormalised to sum 1" if s.expert_weights_norm else ""
+        lines.add(f"  S_t ← the {k} largest p[t, :], w_t ← p[t, S_t]{norm_w}", f"top-{k} of {E} experts per token")
+        lines.add(
+            "  X_t ← X_t + Σ_{e∈S_t} w_t[e]·(SiLU(Y_t·W_gate[l,e]) ⊙ Y_t·W_up[l,e])·W_down[l,e]",
+            f"SwiGLU experts: W_gate, W_up ∈ ℝ^{{{E}×{d}×{F}}}, W_down ∈ ℝ^{{{E}×{F}×{d}}}",
+        )
+        if s.d_ff_shared:
+            lines.add(
+                "  X ← X + σ(Y·w_s[l]) ⊙ (SiLU(Y·S_gate[l]) ⊙ Y·S_up[l])·S_down[l]",
+                f"shared expert of width {s.d_ff_shared}, gated by σ",
+            )
+    elif s.mlp == "gelu":
         bu, bd = (" + b_up[l]", " + b_down[l]") if s.biases else ("", "")
         lines.add(
             f"  X ← X + GELU(Y·W_up[l]{bu})·W_down[l]{bd}",
@@ -378,6 +420,8 @@ def algorithm_card(s: ModelSummary) -> str:
         defs.append("GELU(z) = ½z(1 + tanh(√(2/π)(z + 0.044715z³)))")
     else:
         defs.append("SiLU(z) = z·σ(z)")
+    if s.mlp == "moe":
+        defs.append("the experts of a token are computed by three expert-indexed products (mul_mat_id)")
     if s.positions == "rope":
         defs.append("RoPE rotates each pair of a head by angle (position · θ_i)")
     return "\n".join(head + lines.render() + ["where " + "; ".join(defs) + "."])

@@ -1,12 +1,17 @@
-"""The llama family (llama, qwen2, qwen3): config from GGUF and the forward graph.
+"""The llama family (llama, qwen2, qwen3, and their mixture-of-experts
+relatives olmoe, qwen2moe, qwen3moe): config from GGUF and the forward graph.
 
 One code path for the whole family. The variants are fields of ``LlamaConfig``,
 read from GGUF metadata and tensor names (through ``toy.models.card``'s
 parsing): grouped-query attention (``n_head_kv < n_head``), tied or untied
-output head, Q/K/V biases (qwen2), per-head QK RMSNorm (qwen3), a head size
-other than ``d_model / n_head``, and the RoPE pairing (``"normal"``: adjacent
-pairs, which llama GGUF files need because the converter permutes Q/K rows;
-``"neox"``: halves, for qwen2/qwen3).
+output head, Q/K/V biases (qwen2, qwen2moe), per-head QK RMSNorm (qwen3,
+qwen3moe) or QK RMSNorm over the whole projection (olmoe:
+``qk_norm_full``), a head size other than ``d_model / n_head``, the RoPE
+pairing (``"normal"``: adjacent pairs, which llama GGUF files need because
+the converter permutes Q/K rows; ``"neox"``: halves, for the others), and a
+routed mixture-of-experts feed-forward instead of the dense one
+(``n_expert > 0``: ``toy.models.moe``, with qwen2moe's shared expert and
+qwen3moe's renormalised expert weights).
 
 This module is the family's ``ARCH`` in the registry (``toy.models``): the
 protocol's config, metadata, forward, parameters, LoRA targets and attention
@@ -23,23 +28,30 @@ from dataclasses import dataclass
 from typing import Any
 
 from toy.models import Architecture, LoraTarget, ParamInfo, UnsupportedModelError
+from toy.models import moe
 from toy.models.card import summary_from
 from toy.models.common import lora_linear
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "olmoe", "qwen2moe", "qwen3moe")
+MOE_ARCHITECTURES = ("olmoe", "qwen2moe", "qwen3moe")
 
-_ROPE_MODE = {"llama": "normal", "qwen2": "neox", "qwen3": "neox"}
-_LAYER_TENSORS = (
+_ROPE_MODE = {
+    "llama": "normal",
+    "qwen2": "neox",
+    "qwen3": "neox",
+    "olmoe": "neox",
+    "qwen2moe": "neox",
+    "qwen3moe": "neox",
+}
+_ATTN_TENSORS = (
     "attn_norm.weight",
     "attn_q.weight",
     "attn_k.weight",
     "attn_v.weight",
     "attn_output.weight",
     "ffn_norm.weight",
-    "ffn_gate.weight",
-    "ffn_up.weight",
-    "ffn_down.weight",
 )
+_DENSE_FFN_TENSORS = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
 
 
 @dataclass(frozen=True)
@@ -71,6 +83,14 @@ class LlamaConfig:
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
     rope_attn_factor: float = 1.0
+    # QK-norm over the whole Q and K projections before the head split (olmoe), not per head
+    qk_norm_full: bool = False
+    # mixture of experts (toy.models.moe): 0 experts is the dense feed-forward
+    n_expert: int = 0
+    n_expert_used: int = 0
+    d_ff_expert: int = 0
+    d_ff_shared: int = 0  # qwen2moe's shared expert (0: none)
+    expert_weights_norm: bool = False  # renormalise the k experts' probabilities (qwen3moe)
 
     def rope_args(self) -> dict[str, Any]:
         """Keyword arguments of ``toy_ggml.Context.rope`` for this model
@@ -110,6 +130,9 @@ class LlamaConfig:
         if s.per_layer:
             raise UnsupportedModelError(f"per-layer {', '.join(s.per_layer)} is not supported")
         rope = _rope_scaling(arch, metadata, s, "rope_freqs.weight" in tensors)
+        moe_fields = moe.config_fields(arch, metadata, tensors, s.d_ff)
+        if arch in MOE_ARCHITECTURES and not moe_fields:
+            raise UnsupportedModelError(f"the {arch} metadata lacks {arch}.expert_count")
         if s.qkv_fused:
             raise UnsupportedModelError("a fused attn_qkv tensor is not supported (expected attn_q/attn_k/attn_v)")
         if s.head_dim_v not in (None, s.head_dim):
@@ -117,8 +140,9 @@ class LlamaConfig:
                 f"value head size {s.head_dim_v} != key head size {s.head_dim} is not supported"
             )
         need = ["token_embd.weight", "output_norm.weight"]
+        ffn_names = moe.layer_tensors(_Shared(moe_fields.get("d_ff_shared", 0))) if moe_fields else _DENSE_FFN_TENSORS
         for i in range(s.n_layer):
-            need += [f"blk.{i}.{n}" for n in _LAYER_TENSORS]
+            need += [f"blk.{i}.{n}" for n in (*_ATTN_TENSORS, *ffn_names)]
             if s.qkv_bias:
                 need += [f"blk.{i}.attn_{x}.bias" for x in "qkv"]
             if s.qk_norm:
@@ -147,7 +171,9 @@ class LlamaConfig:
             qk_norm=s.qk_norm,
             context_length=s.context_length,
             architecture=arch,
+            qk_norm_full=arch == "olmoe",
             **rope,
+            **moe_fields,
         )
 
     @classmethod
@@ -155,6 +181,13 @@ class LlamaConfig:
         """The config of an open ``GGUFFile`` (ToyError if it is not a
         supported llama-family model or lacks a tensor)."""
         return cls.from_metadata(gf.metadata, gf.tensors)
+
+
+class _Shared:
+    """What ``moe.layer_tensors`` reads of a config, before there is one."""
+
+    def __init__(self, d_ff_shared: int):
+        self.d_ff_shared = d_ff_shared
 
 
 def _rope_scaling(arch: str, metadata: Mapping[str, Any], s, has_freqs: bool) -> dict[str, Any]:
@@ -242,8 +275,10 @@ def forward(
         y = lin(f"{p}.attn_{which}.weight", x)
         if cfg.qkv_bias:
             y = ctx.add(y, weights[f"{p}.attn_{which}.bias"])
+        if cfg.qk_norm and cfg.qk_norm_full and which in "qk":  # olmoe: over the whole projection
+            y = norm(y, weights[f"{p}.attn_{which}_norm.weight"])
         y = ctx.reshape(y, (T, heads, D))
-        if cfg.qk_norm and which in "qk":
+        if cfg.qk_norm and not cfg.qk_norm_full and which in "qk":
             y = norm(y, weights[f"{p}.attn_{which}_norm.weight"])
         if which in "qk":
             y = ctx.rope(y, pos, cfg.rope_dims, freq_factors=freqs, **rope_args)
@@ -258,6 +293,9 @@ def forward(
         if out_rows is not None and i == cfg.n_layer - 1:
             x = ctx.get_rows(x, out_rows)  # (N, d): the rows whose logits are wanted
         h = norm(x, weights[f"{p}.ffn_norm.weight"])
+        if cfg.n_expert:
+            x = ctx.add(x, moe.ffn(ctx, cfg, weights, lin, p, h, row_invariant))
+            continue
         g = ctx.swiglu(lin(f"{p}.ffn_gate.weight", h), lin(f"{p}.ffn_up.weight", h))
         x = ctx.add(x, lin(f"{p}.ffn_down.weight", g))
     x = norm(x, weights["output_norm.weight"])
@@ -289,10 +327,13 @@ def params(cfg: LlamaConfig) -> dict[str, ParamInfo]:
             if cfg.qkv_bias:
                 out[f"{p}.attn_{x}.bias"] = ParamInfo((n * D,), "bias")
         if cfg.qk_norm:
-            out[f"{p}.attn_q_norm.weight"] = ParamInfo((D,), "norm")
-            out[f"{p}.attn_k_norm.weight"] = ParamInfo((D,), "norm")
+            out[f"{p}.attn_q_norm.weight"] = ParamInfo((H * D if cfg.qk_norm_full else D,), "norm")
+            out[f"{p}.attn_k_norm.weight"] = ParamInfo((Hkv * D if cfg.qk_norm_full else D,), "norm")
         out[f"{p}.attn_output.weight"] = ParamInfo((d, H * D), "residual")
         out[f"{p}.ffn_norm.weight"] = ParamInfo((d,), "norm")
+        if cfg.n_expert:
+            out.update(moe.params(cfg, p))
+            continue
         out[f"{p}.ffn_gate.weight"] = ParamInfo((cfg.d_ff, d), "matrix")
         out[f"{p}.ffn_up.weight"] = ParamInfo((cfg.d_ff, d), "matrix")
         out[f"{p}.ffn_down.weight"] = ParamInfo((d, cfg.d_ff), "residual")
@@ -303,17 +344,23 @@ def params(cfg: LlamaConfig) -> dict[str, ParamInfo]:
 
 
 def lora_targets(cfg: LlamaConfig) -> dict[str, LoraTarget]:
-    """q, k, v, o on attention; gate, up, down on the feed-forward."""
+    """q, k, v, o on attention; gate, up, down on a dense feed-forward, or
+    ``router`` (``ffn_gate_inp``) on a mixture of experts, whose experts
+    (3-D tensors) take no adapter."""
     H, Hkv, D, d, f = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.d_model, cfg.d_ff
-    return {
+    out = {
         "q": LoraTarget("attn_q", "attn_in", d, H * D),
         "k": LoraTarget("attn_k", "attn_in", d, Hkv * D),
         "v": LoraTarget("attn_v", "attn_in", d, Hkv * D),
         "o": LoraTarget("attn_output", "attn_out", H * D, d),
-        "gate": LoraTarget("ffn_gate", "ffn_in", d, f),
-        "up": LoraTarget("ffn_up", "ffn_in", d, f),
-        "down": LoraTarget("ffn_down", "ffn_mid", f, d),
     }
+    if cfg.n_expert:
+        out["router"] = LoraTarget("ffn_gate_inp", "ffn_in", d, cfg.n_expert)
+        return out
+    out["gate"] = LoraTarget("ffn_gate", "ffn_in", d, f)
+    out["up"] = LoraTarget("ffn_up", "ffn_in", d, f)
+    out["down"] = LoraTarget("ffn_down", "ffn_mid", f, d)
+    return out
 
 
 def metadata(cfg: LlamaConfig, name: str) -> dict[str, Any]:
@@ -384,7 +431,7 @@ ARCH = Architecture(
     family="llama",
     names=SUPPORTED_ARCHITECTURES,
     presets=PRESETS,
-    lora_names=("q", "k", "v", "o", "gate", "up", "down"),
+    lora_names=("q", "k", "v", "o", "gate", "up", "down", "router"),
     lora_default=("q", "k", "v", "o"),
     config_from_metadata=LlamaConfig.from_metadata,
     forward=forward,
