@@ -55,9 +55,9 @@ Tolerances (per dtype / kind of op):
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import subprocess
-import math
 import sys
 from pathlib import Path
 

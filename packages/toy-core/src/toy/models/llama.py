@@ -27,8 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from toy.models import Architecture, LoraTarget, ParamInfo, UnsupportedModelError
-from toy.models import moe
+from toy.models import Architecture, LoraTarget, ParamInfo, UnsupportedModelError, moe
 from toy.models.card import summary_from
 from toy.models.common import lora_linear
 
