@@ -234,6 +234,7 @@ def test_counting_corpus_is_the_recorded_one():
 
 @needs_fixture
 @pytest.mark.slow  # the 120-step run takes ~12 s on one thread
+@pytest.mark.avx2_reference  # recorded on the AVX2 CPU variant (SAME_CPU compares its features)
 def test_gpt2_checkpoint_is_the_recorded_file_and_llama_cpp_agrees(tmp_path):
     from toy.gguf import GGUFFile
 

@@ -104,6 +104,7 @@ class LoraTrain:
         self.cfg, self.base, self.settings = cfg, base, settings.resolved(cfg)
         self.n_vocab = cfg.n_vocab
         self.feed = TokenFeed.for_config(cfg)
+        self.gemm = True  # F32 products on toy's CPU GEMM where the runtime computes on the CPU (TrainModel.gemm)
         self.shapes = lora_shapes({n: tuple(t.shape) for n, t in base.items()}, cfg, self.settings)
         self.seed = int(seed)
         self._masks: dict[tuple[int, str], toy_ggml.Tensor] = {}

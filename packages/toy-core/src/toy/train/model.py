@@ -42,6 +42,7 @@ class ArchTrain:
         self.n_vocab = cfg.n_vocab
         self.frozen = dict(frozen or {})
         self.feed = TokenFeed.for_config(cfg)
+        self.gemm = True  # F32 products on toy's CPU GEMM where the runtime computes on the CPU (TrainModel.gemm)
 
     def param_specs(self) -> list[ParamSpec]:
         return [ParamSpec(n, p.shape, p.kind) for n, p in self.arch.params(self.cfg).items() if n not in self.frozen]
