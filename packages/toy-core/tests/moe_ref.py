@@ -29,9 +29,11 @@ forward (``hf_logits``, ``hf_greedy``, ``hf_router_topk``).
   ``--outtype`` (``f32``, ``f16``, ``q8_0``) or ``q4_k_m``: the F32 file
   quantized by **toy's own** ``toy.gguf.quantize_model(f32, out, "Q4_K_M")``
   (llama.cpp's quantizer is only in llama-cpp-python, which CI does not
-  install); that file's name carries a digest of toy's convert.py and ggml
-  version too. toy's "Q4_K_M" is not llama.cpp's Q4_K_M mix (see
-  ``tools/fixtures/check_moe_quant.py``, which compares the two).
+  install); that file's name carries a digest of toy's convert.py,
+  quant_mix.py and ggml version too. toy's Q4_K_M is llama.cpp's Q4_K_M mix,
+  tensor for tensor and byte for byte (routers F32, attn_k/attn_v Q8_0 and
+  attn_output Q5_K for these 8-expert models, output Q6_K ...;
+  ``tests/test_quant_mix.py`` checks it against llama.cpp's own files).
 - ``hf_logits(hf_dir, ids)`` (float32 ``(T, V)``), ``hf_greedy(hf_dir, ids,
   n)``: the HF model in float32, eager attention, one torch thread.
 - ``hf_router_topk(hf_dir, ids)``: per layer and token, the router logits,
@@ -107,8 +109,9 @@ Checked once by hand in llama-cpp-python 0.3.36 (not a test; F16 KV cache,
 within 2.7e-3 to 6.6e-3 of HF's (logits up to about 4 (tiny) and 8.7 (-k)),
 the greedy argmax agreeing at all 16 positions; the ``-k`` F16 files within
 1.5e-2 to 1.9e-2; ``qwen3moe-tied-router`` differs by up to 1.7 (3 of 16
-argmaxes), the tie-breaking above. toy's ``q4_k_m`` files load too (their
-logits 3.2 to 5.2 from HF's: Q4_K everywhere, routers included).
+argmaxes), the tie-breaking above. toy's ``q4_k_m`` files loaded too (their
+logits 3.2 to 5.2 from HF's, measured when toy's quantizer wrote Q4_K
+everywhere, routers included; they are now llama.cpp's Q4_K_M mix).
 
 Nothing is ever fetched from a model hub: HF_HUB_OFFLINE and
 TRANSFORMERS_OFFLINE are set before transformers is imported.
@@ -520,10 +523,11 @@ def _digest() -> str:
 def _toy_quant_digest() -> str:
     """toy's quantizer: its source and the ggml it runs on."""
     import toy_ggml
-    from toy.gguf import convert
+    from toy.gguf import convert, quant_mix
 
     h = hashlib.sha256()
     h.update(Path(convert.__file__).read_bytes())
+    h.update(Path(quant_mix.__file__).read_bytes())
     h.update(f"ggml={toy_ggml.GGML_VERSION} toy_ggml={toy_ggml.__version__}".encode())
     return h.hexdigest()[:12]
 

@@ -44,7 +44,7 @@ COMMANDS = {
     ),
     "quantize": Lazy(
         _M + "models",
-        "Convert a model's weights to another type (quantize 2-D weights; norms stay F32); writes OUT atomically.",
+        "Convert a model's weights to another type (2-D weights; K-quant targets use llama.cpp's per-tensor mix; norms stay F32); writes OUT atomically.",
     ),
     "infer": Lazy(_M + "infer", "Generate text from a prompt, streaming it to stdout (timings on stderr)."),
     "chat": Lazy(

@@ -331,7 +331,7 @@ def quantize(
     dtype: Annotated[str, typer.Option("--type", "-t", help="Target: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, F16, ...")],
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON report.")] = False,
 ) -> None:
-    """Convert a model's weights to another type (quantize 2-D weights; norms stay F32); writes OUT atomically."""
+    """Convert a model's weights to another type (2-D weights; K-quant targets use llama.cpp's per-tensor mix; norms stay F32); writes OUT atomically."""
     from toy.gguf.convert import parse_target, quantize_model
 
     try:

@@ -2,7 +2,18 @@
 
 ``quantize_model(src, dst, dtype)`` copies every metadata key with its
 on-disk type, sets ``general.file_type`` to llama.cpp's ``LLAMA_FTYPE`` value
-for the target, and converts tensors one at a time:
+for the target, and converts tensors one at a time.
+
+The K-quant targets write llama.cpp's mixes (``toy.gguf.quant_mix``: the
+rules, and why): ``Q4_K`` (alias ``Q4_K_M``) is llama.cpp's "mostly Q4_K_M"
+with the output matrix in Q6_K, some ``attn_v``/``ffn_down`` layers in Q6_K,
+the MoE routers kept F32 and so on, tensor for tensor what
+``llama_model_quantize`` writes without an importance matrix; likewise
+``Q2_K``, ``Q3_K`` (``Q3_K_M``), ``Q5_K`` (``Q5_K_M``) and ``Q6_K``. A tensor
+the mix leaves alone keeps its type (1-D ones become F32, as below) and is
+written with llama.cpp's shape (trailing ggml extents of 1 dropped).
+
+Every other target is uniform:
 
 - a tensor of 2+ dims whose last extent (ggml's ``ne[0]``, the row) is a
   multiple of the target's block is dequantized to F32 through ggml and
@@ -10,7 +21,11 @@ for the target, and converts tensors one at a time:
   (``Q4_K -> Q5_0``, ``Q6_K -> Q8_0`` ..., then F16 when even that does not
   fit), and the fallbacks are reported;
 - 1-D tensors (norms, biases) stay or become F32; integer tensors are copied;
-- a tensor already of its destination type is copied byte for byte.
+  learned positions and token types keep their type.
+
+In both, a tensor already of its destination type is copied byte for byte,
+and a quantized source tensor is dequantized and quantized again (what
+llama.cpp does only with ``--allow-requantize``).
 
 Memory stays bounded by the largest tensor: each converted tensor goes to a
 spill file beside the destination, which is memory-mapped (file-backed pages,
@@ -30,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 import toy_ggml
+from toy.gguf import quant_mix
 from toy.gguf.constants import ValueType
 from toy.gguf.reader import GGUFFile, TypeInfo
 from toy.gguf.writer import GGUFWriter
@@ -76,7 +92,7 @@ LLAMA_FTYPES: dict[int, str] = {
     41: "MOSTLY_Q2_0",
 }
 
-# target ggml type -> the llama_ftype a file quantized (all 2-D weights) to it carries
+# target ggml type -> the llama_ftype of the file it writes (the K-quants: llama.cpp's mixes)
 TARGET_FTYPE: dict[GGMLType, int] = {
     GGMLType.F32: 0,
     GGMLType.F16: 1,
@@ -95,15 +111,6 @@ TARGET_FTYPE: dict[GGMLType, int] = {
 }
 SUPPORTED_TARGETS: tuple[str, ...] = tuple(t.name for t in TARGET_FTYPE)
 _ALIASES = {"Q3_K_M": "Q3_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K", "FP16": "F16", "FP32": "F32"}
-
-# llama.cpp's tensor_type_fallback (src/llama-quant.cpp) for rows the block does not divide
-_FALLBACK = {
-    GGMLType.Q2_K: GGMLType.Q4_0,
-    GGMLType.Q3_K: GGMLType.Q4_0,
-    GGMLType.Q4_K: GGMLType.Q5_0,
-    GGMLType.Q5_K: GGMLType.Q5_1,
-    GGMLType.Q6_K: GGMLType.Q8_0,
-}
 _INT_TYPES = {GGMLType.I8, GGMLType.I16, GGMLType.I32, GGMLType.I64}
 QUANT_VERSION = 2  # GGML_QNT_VERSION
 
@@ -135,6 +142,12 @@ def file_type_of(tensors) -> int:
 def parse_target(dtype: str | int | GGMLType) -> GGMLType:
     """The target type, or ValueError naming the supported ones."""
     if isinstance(dtype, str):
+        if dtype.strip().upper() in quant_mix.OTHER_K_MIXES:
+            mixes = ", ".join(f"{t.name} ({n})" if t.name != n else n for t, n in quant_mix.MIX_NAME.items())
+            raise ValueError(
+                f"cannot convert a model to {dtype!r}: toy writes llama.cpp's K-quant mixes {mixes}, "
+                f"not {dtype.strip().upper()}; supported types: {', '.join(SUPPORTED_TARGETS)}"
+            )
         dtype = _ALIASES.get(dtype.strip().upper(), dtype.strip())
     try:
         t = GGMLType.parse(dtype)
@@ -145,29 +158,31 @@ def parse_target(dtype: str | int | GGMLType) -> GGMLType:
     return t
 
 
-def _block(t: GGMLType) -> int:
-    from toy_ggml import _core
-
-    return _core.type_info(int(t))[1]
-
-
 # tensors llama.cpp's quantizer leaves in their type: learned positions (GPT-2) and token types (BERT)
 _KEEP = ("position_embd.weight", "token_types.weight")
 
 
 def tensor_target(shape: tuple[int, ...], src: GGMLType, target: GGMLType, name: str | None = None) -> GGMLType:
-    """The type a tensor ``name`` of ``shape`` (NumPy order) and type ``src`` gets."""
+    """The type a tensor ``name`` of ``shape`` (NumPy order) and type ``src``
+    gets from a uniform conversion to ``target`` (the K-quant mixes choose
+    per tensor: ``quant_mix.plan``)."""
     if src in _INT_TYPES or name in _KEEP:
         return src
     if len(shape) < 2:
         return GGMLType.F32
-    row = shape[-1]
-    if row % _block(target) == 0:
-        return target
-    fb = _FALLBACK.get(target, target)
-    if row % _block(fb) == 0:
-        return fb
-    return GGMLType.F16
+    return quant_mix.fallback_type(shape[-1], target)
+
+
+def _mix_target(shape: tuple[int, ...], src: GGMLType, choice: quant_mix.Choice | None) -> GGMLType:
+    """The type a tensor gets in a K-quant mix: the mix's choice, or (a tensor
+    llama.cpp's quantizer leaves alone) its own type, F32 for a 1-D float one
+    as in every toy conversion (llama.cpp would keep an F16 norm F16; its
+    converters write norms F32 anyway)."""
+    if choice is not None:
+        return choice.type
+    if src in _INT_TYPES or len(quant_mix.ggml_dims(shape)) >= 2:
+        return src
+    return GGMLType.F32
 
 
 @dataclass
@@ -176,10 +191,12 @@ class QuantizeReport:
     dst: Path
     target: str
     file_type: int
+    mix: str | None = None  # llama.cpp's name of the K-quant mix written ("Q4_K_M"), None when uniform
     n_tensors: int = 0
     converted: int = 0
     copied: int = 0
-    fallbacks: dict[str, str] = field(default_factory=dict)  # tensor -> type used
+    fallbacks: dict[str, str] = field(default_factory=dict)  # tensor -> type used (its row fits no other)
+    type_counts: dict[str, int] = field(default_factory=dict)  # type written -> tensors
     bytes_in: int = 0
     bytes_out: int = 0
 
@@ -209,7 +226,8 @@ def quantize_model(
     dtype: str | int | GGMLType,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> QuantizeReport:
-    """Write ``dst_path``: ``src_path`` with its weights converted to ``dtype``.
+    """Write ``dst_path``: ``src_path`` with its weights converted to ``dtype``
+    (a K-quant: llama.cpp's mix of that name, see the module docstring).
     ``progress(done, total, tensor_name)`` is called after each tensor."""
     target = parse_target(dtype)
     ftype = TARGET_FTYPE[target]
@@ -219,7 +237,16 @@ def quantize_model(
     spill_map = None
     views: list[memoryview] = []
     try:
-        report = QuantizeReport(Path(src_path), dst, target.name, ftype, n_tensors=len(src.tensors))
+        mix = target in quant_mix.MIX_FTYPE
+        choices = quant_mix.plan({n: i.shape for n, i in src.tensors.items()}, src.metadata, target) if mix else {}
+        report = QuantizeReport(
+            Path(src_path),
+            dst,
+            target.name,
+            ftype,
+            mix=quant_mix.MIX_NAME[target] if mix else None,
+            n_tensors=len(src.tensors),
+        )
         writer = GGUFWriter(dst, alignment=src.alignment)
         for key, value in src.metadata.items():
             if key == "general.alignment":
@@ -242,9 +269,18 @@ def quantize_model(
         total = len(src.tensors)
         with os.fdopen(fd, "wb") as f:
             for i, (name, info) in enumerate(src.tensors.items()):
-                want = tensor_target(info.shape, info.dtype, target, name)
-                if len(info.shape) >= 2 and want != target and info.dtype not in _INT_TYPES and name not in _KEEP:
-                    report.fallbacks[name] = want.name
+                shape = info.shape
+                if mix:
+                    choice = choices.get(name)
+                    want = _mix_target(info.shape, info.dtype, choice)
+                    shape = quant_mix.ggml_dims(info.shape)  # as llama.cpp writes it
+                    if choice is not None and choice.fell_back:
+                        report.fallbacks[name] = want.name
+                else:
+                    want = tensor_target(info.shape, info.dtype, target, name)
+                    if len(info.shape) >= 2 and want != target and info.dtype not in _INT_TYPES and name not in _KEEP:
+                        report.fallbacks[name] = want.name
+                report.type_counts[want.name] = report.type_counts.get(want.name, 0) + 1
                 data = _convert_tensor(src, name, want)
                 if info.dtype == want:
                     report.copied += 1
@@ -252,7 +288,7 @@ def quantize_model(
                     report.converted += 1
                 start = f.tell()
                 f.write(data)
-                layout.append((name, info.shape, want, start, len(memoryview(data).cast("B"))))
+                layout.append((name, shape, want, start, len(memoryview(data).cast("B"))))
                 report.bytes_in += info.nbytes
                 del data
                 if progress:

@@ -18,8 +18,9 @@ that needs no adapter at inference:
   parameters, so merged F32 weights in a Q4_1 base leave it "mostly Q4_1"
   while an F32-majority merge says F32);
 - with ``dtype`` (e.g. "Q8_0") that merge goes to a temporary file beside
-  ``out`` and is re-quantized with ``toy.gguf.quantize_model`` (all 2-D
-  weights to the type, fallbacks as llama.cpp's); the temporary is removed.
+  ``out`` and is re-quantized with ``toy.gguf.quantize_model`` (a plain
+  type for every 2-D weight, or llama.cpp's per-tensor mix for the K-quant
+  targets, fallbacks as llama.cpp's); the temporary is removed.
 
 The output appears atomically (``GGUFWriter``); ``out`` may not be the base.
 Memory: the merged weights are held as float32 until the file is written
