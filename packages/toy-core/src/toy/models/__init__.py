@@ -108,12 +108,12 @@ _MODULES = {
     "llama": "toy.models.llama",
     "qwen2": "toy.models.llama",
     "qwen3": "toy.models.llama",
-    "olmoe": "toy.models.llama",
-    "qwen2moe": "toy.models.llama",
-    "qwen3moe": "toy.models.llama",
     "gpt2": "toy.models.gpt2",
     "gemma2": "toy.models.gemma",
     "gemma3": "toy.models.gemma",
+    "olmoe": "toy.models.llama",
+    "qwen2moe": "toy.models.llama",
+    "qwen3moe": "toy.models.llama",
 }
 
 # family names that are no general.architecture value toy runs (``get`` takes both)

@@ -100,9 +100,11 @@ class GemmaConfig:
 
     @property
     def attn_scale(self) -> float:
-        if self.n_layer == _BIG.get(self.architecture):
-            return 1.0 / math.sqrt(float(self.d_model // self.n_head))
-        return 1.0 / math.sqrt(float(self.head_dim))
+        """In float32 arithmetic, as llama.cpp computes it (``1.0f / std::sqrt(float(n))``)."""
+        import numpy as np
+
+        n = self.d_model // self.n_head if self.n_layer == _BIG.get(self.architecture) else self.head_dim
+        return float(np.float32(1.0) / np.sqrt(np.float32(n)))
 
     def window(self, layer: int) -> int:
         return self.sliding_window if self.swa_layers and self.swa_layers[layer] else 0

@@ -22,7 +22,6 @@ are the file mapping itself).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -308,7 +307,13 @@ def output_weight(cfg: LlamaConfig) -> str:
 
 
 def attention_scale(cfg: LlamaConfig, layer: int) -> float:
-    return 1.0 / math.sqrt(cfg.head_dim)
+    """1/sqrt(head_dim) in float32 arithmetic, as llama.cpp computes it
+    (``1.0f/sqrtf(float(n_embd_head))``): for some head sizes (24, 72, 96,
+    112) the double-precision value rounds to a float32 one ulp away from
+    llama.cpp's, and the softmax of Q·K then differs in the last bits."""
+    import numpy as np
+
+    return float(np.float32(1.0) / np.sqrt(np.float32(cfg.head_dim)))
 
 
 def params(cfg: LlamaConfig) -> dict[str, ParamInfo]:
