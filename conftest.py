@@ -60,6 +60,7 @@ _HELPERS = {
     "gguf_bytes": "packages/toy-core/tests/gguf_bytes.py",
     "tiny_llama": "packages/toy-core/tests/tiny_llama.py",
     "bench_side": "packages/toy-core/benchmarks/bench_side.py",
+    "bench_models": "packages/toy-core/benchmarks/bench_models.py",
     "torch_llama": "packages/toy-core/tests/torch_llama.py",
     "train_helpers": "packages/toy-core/tests/train_helpers.py",
     "cli_helpers": "packages/toy-cli/tests/cli_helpers.py",

@@ -72,8 +72,22 @@ def prompts_file(model: str, folder: Path) -> Path:
 
 
 def test_batch_decode(record, smollm2_path, tmp_path):
-    ids = prompts_file(smollm2_path, tmp_path)
-    args = ["--model", str(smollm2_path), "--ids", str(ids), "--threads", str(THREADS), "--n-ctx", str(N_CTX)]
+    run_batch(record, Path(smollm2_path), tmp_path)
+
+
+def test_batch_decode_moe(record, tmp_path):
+    """The same on the OLMoE-shaped ~1B Q4_K_M model of test_bench_infer.py
+    (issue 17: toy's 8-sequence decode against llama.cpp's batched decoding)."""
+    from bench_models import moe_bench_model
+
+    run_batch(record, moe_bench_model(), tmp_path, tag="olmoe-1b Q4_K_M")
+
+
+def run_batch(record, model: Path, tmp_path: Path, tag: str | None = None) -> None:
+    """Both sides on one model (the records' names end in ``tag`` when given)."""
+    sfx = f", {tag}" if tag else ""
+    ids = prompts_file(model, tmp_path)
+    args = ["--model", str(model), "--ids", str(ids), "--threads", str(THREADS), "--n-ctx", str(N_CTX)]
     args += ["--levels", ",".join(map(str, LEVELS))]
     python = peer_python()
     sides: dict[str, Side] = {}
@@ -94,7 +108,7 @@ def test_batch_decode(record, smollm2_path, tmp_path):
 
     peer_name = ready["peer"]["side"] if python is not None else None
     context = {
-        "model": Path(smollm2_path).name,
+        "model": Path(model).name,
         "threads": THREADS,
         "prompt_tokens": PROMPT,
         "steps": STEPS,
@@ -109,7 +123,7 @@ def test_batch_decode(record, smollm2_path, tmp_path):
         peer_ms = med("peer", S, "step_ms") if python is not None else None
         record(
             "batch_decode",
-            figure=f"decode step, {S} sequences",
+            figure=f"decode step, {S} sequences{sfx}",
             value=toy_ms,
             unit="ms",
             sequences=S,
@@ -126,7 +140,7 @@ def test_batch_decode(record, smollm2_path, tmp_path):
     peer_pre = med("peer", 1, "prefill_ms") if python is not None else None
     record(
         "batch_decode",
-        figure=f"prefill of one {PROMPT}-token prompt",
+        figure=f"prefill of one {PROMPT}-token prompt{sfx}",
         value=toy_pre,
         unit="ms",
         **context,
@@ -144,7 +158,7 @@ def test_batch_decode(record, smollm2_path, tmp_path):
         scaling = agg[side][max(LEVELS)] / agg[side][1]
         record(
             "batch_decode",
-            figure=f"{side} scaling: aggregate tokens/s at {max(LEVELS)} sequences / 1",
+            figure=f"{side} scaling: aggregate tokens/s at {max(LEVELS)} sequences / 1{sfx}",
             value=scaling,
             unit="x",
             **context,

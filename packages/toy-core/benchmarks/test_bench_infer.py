@@ -71,6 +71,17 @@ made by llama.cpp's converter, cached under ``$TOY_BENCH_MODEL_DIR`` or
 layers' masks cut it. Figure names end in ``gemma3-270m <dtype>``; the
 tokens/s records carry the target toy / llama.cpp >= 1.0.
 
+Mixture of experts (``test_inference_moe``, issue 17): the same machinery
+and figures on an OLMoE-shaped model scaled to about 1B parameters (16
+layers, d 1024, 16 heads, 64 experts of width 256, top-8, GPT-2's
+vocabulary; ``tests/moe_ref.py``'s weight scheme, seed 0), converted by
+llama.cpp's converter to F16 and quantized by ``toy.gguf.quantize_model`` to
+the Q4_K_M mix llama.cpp's quantizer makes (byte-identical to it:
+``tests/test_quant_mix.py``), cached under ``$TOY_BENCH_MODEL_DIR`` or
+``~/.cache/toy-bench-moe``. Prefill of 128 and 512 tokens and decode against
+llama.cpp on that file, target toy / llama.cpp >= 1.0. (Decoding 8
+sequences: ``test_bench_batch_decode.py::test_batch_decode_moe``.)
+
 Portable vs native (``test_inference_native``, issue 19): on the Q4_1 file,
 three sides alternate ``$TOY_BENCH_NATIVE_REPS`` (5) reps: toy on the dev
 (dispatched, portable) toy_ggml, toy on a native build of it made by
@@ -90,6 +101,7 @@ import time
 from pathlib import Path
 
 import pytest
+from bench_models import moe_bench_model, ref_module
 from bench_side import TEXT, Side, peer_python
 
 pytestmark = pytest.mark.bench
@@ -136,6 +148,7 @@ GEMMA_VOCAB = 262_144
 GEMMA_DTYPES = {"F32": "f32", "Q8_0": "q8_0"}
 GEMMA_PROMPT_LENGTHS = (128, 512, 896)  # 896 > the sliding window
 GEMMA_TAG = "gemma3-270m"
+MOE_TAG = "olmoe-1b Q4_K_M"
 
 
 # ---------------------------------------------------------------- setup
@@ -181,23 +194,10 @@ def write_prompt_ids(model: Path, folder: Path, lengths=PROMPT_LENGTHS) -> Path:
     return path
 
 
-def _gpt2_ref():
-    """tests/gpt2_ref.py as a module (the root conftest.py does not register it)."""
-    import importlib.util
-
-    name = "gpt2_ref"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, HERE.parent / "tests" / "gpt2_ref.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
 @pytest.fixture(scope="module")
 def gpt2_models() -> dict[str, Path]:
     """GPT-2-small (124M, seed 0) as F32 and Q8_0 GGUF files made by llama.cpp's converter."""
-    ref = _gpt2_ref()
+    ref = ref_module("gpt2_ref")
     return {dtype: Path(ref.gguf_path(GPT2_SHAPE, 0, outtype)) for dtype, outtype in GPT2_DTYPES.items()}
 
 
@@ -207,27 +207,13 @@ def gpt2_prompt_ids(gpt2_models, tmp_path_factory) -> Path:
     return write_prompt_ids(gpt2_models["F32"], tmp_path_factory.mktemp("bench_infer_gpt2_prompts"))
 
 
-def _gemma_ref():
-    """tests/gemma_ref.py as a module (it imports gpt2_ref, registered first)."""
-    import importlib.util
-
-    _gpt2_ref()
-    name = "gemma_ref"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, HERE.parent / "tests" / "gemma_ref.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
 @pytest.fixture(scope="module")
 def gemma_models() -> dict[str, Path]:
     """The Gemma-3-270M-shaped model (seed 0) as F32 and Q8_0 GGUF files made by
     llama.cpp's converter, cached (see the module docstring)."""
     import hashlib
 
-    ref = _gemma_ref()
+    ref = ref_module("gemma_ref")
     key = hashlib.sha256(json.dumps([GEMMA_SHAPE, GEMMA_VOCAB, ref.recipe("gemma3-tiny", 0, "f32")]).encode())
     root = Path(os.environ.get("TOY_BENCH_MODEL_DIR") or Path.home() / ".cache" / "toy-bench-gemma")
     folder = root / f"gemma3-270m-{key.hexdigest()[:12]}"
@@ -250,6 +236,24 @@ def gemma_models() -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def gemma_prompt_ids(gemma_models, tmp_path_factory) -> Path:
     return write_prompt_ids(gemma_models["F32"], tmp_path_factory.mktemp("bench_infer_gemma"), GEMMA_PROMPT_LENGTHS)
+
+
+def test_inference_moe(record, tmp_path):
+    model = moe_bench_model()
+    ids = write_prompt_ids(model, tmp_path)
+    report(
+        record,
+        model,
+        ids,
+        tmp_path,
+        "Q4_K_M",
+        tag=MOE_TAG,
+        new_tokens=GPT2_NEW_TOKENS,
+        target=1.0,
+        arch="olmoe",
+        shape="OLMoE-shaped, ~1B (16 layers, d 1024, 16 heads, 64 experts of width 256, top-8, vocabulary 50257)",
+        weights="seeded random (tests/moe_ref.py's scheme, seed 0), llama.cpp's converter (F16), toy's Q4_K_M mix",
+    )
 
 
 def run_sides(

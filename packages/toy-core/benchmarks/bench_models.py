@@ -1,0 +1,75 @@
+"""Models the benchmarks build once and cache (not shipped; registered by the
+root conftest.py as ``bench_models``): the test-only reference helpers of
+``tests/`` loaded as modules, and the mixture-of-experts benchmark model that
+test_bench_infer.py and test_bench_batch_decode.py share."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def ref_module(name: str):
+    """``tests/<name>.py`` (gpt2_ref, gemma_ref, moe_ref) as a module; gpt2_ref
+    first, which the others import."""
+    if name != "gpt2_ref":
+        ref_module("gpt2_ref")
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, HERE.parent / "tests" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+# an OLMoE-shaped model of about 1B parameters (tests/moe_ref.py fields), seeded random weights
+MOE_SHAPE = {
+    "arch": "olmoe",
+    "hidden_size": 1024,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "intermediate_size": 256,  # the expert width
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+    "max_position_embeddings": 4096,
+}
+
+
+def moe_bench_model() -> Path:
+    """The OLMoE-shaped ~1B model (16 layers, d 1024, 64 experts of width 256,
+    top-8: about 1B parameters) as a Q4_K_M GGUF: a seeded random HF model
+    (moe_ref's scheme), llama.cpp's converter to F16, toy's quantizer; built
+    once (minutes) and cached under $TOY_BENCH_MODEL_DIR or
+    ~/.cache/toy-bench-moe."""
+    import hashlib
+
+    ref = ref_module("moe_ref")
+    fields = {**ref.SHAPES["olmoe-k"], **MOE_SHAPE}
+    key = hashlib.sha256(json.dumps([fields, ref.recipe("olmoe-k", 0, "f32")]).encode()).hexdigest()[:12]
+    root = Path(os.environ.get("TOY_BENCH_MODEL_DIR") or Path.home() / ".cache" / "toy-bench-moe")
+    folder = root / f"olmoe-1b-{key}"
+    out = folder / f"olmoe-1b-q4_k_m-{ref._toy_quant_digest()}.gguf"  # rebuilt when toy's quantizer changes
+    if out.is_file():
+        return out
+    hf = folder / "hf"
+    if not (hf / "model.safetensors.index.json").is_file() and not (hf / "model.safetensors").is_file():
+        stage = folder / ".hf-stage"
+        ref.make_hf_moe(stage, seed=0, **fields)
+        stage.rename(hf)
+    f16 = folder / "olmoe-1b-f16.gguf"
+    if not f16.is_file():
+        tmp = f16.with_name(f".tmp-{f16.name}")
+        ref.gpt2_ref.convert_to_gguf(hf, tmp, "f16", model_name="toy-bench-olmoe-1b")
+        tmp.rename(f16)
+    from toy.gguf import quantize_model
+
+    tmp = out.with_name(f".tmp-{out.name}")
+    quantize_model(f16, tmp, "Q4_K_M")
+    tmp.rename(out)
+    return out
