@@ -22,11 +22,17 @@ Shapes are NumPy order. Invariants:
   head;
 - the forward itself is the architecture's (``arch.forward``); this module
   only supplies its ``attend`` and, for training, the head after ``keep``.
+
+It also holds what the llama-family architectures' checkpoint metadata and
+from-scratch configs share (``shape_metadata``, ``uint32_counts``,
+``train_shape_fields``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -239,3 +245,55 @@ __all__ = [
     "position_mask",
     "soft_capped",
 ]
+
+
+# ---------------------------------------------------------------- checkpoints and from-scratch configs
+
+
+def shape_metadata(a: str, cfg, default_context: int) -> dict[str, Any]:
+    """The llama.cpp hyperparameter keys of architecture ``a`` a llama-family
+    checkpoint carries (context length, widths, block count, heads, head
+    sizes), in the converter's order; the context length
+    ``default_context`` when the config has none."""
+    return {
+        f"{a}.context_length": int(cfg.context_length or default_context),
+        f"{a}.embedding_length": cfg.d_model,
+        f"{a}.block_count": cfg.n_layer,
+        f"{a}.feed_forward_length": cfg.d_ff,
+        f"{a}.attention.head_count": cfg.n_head,
+        f"{a}.attention.head_count_kv": cfg.n_head_kv,
+        f"{a}.attention.key_length": cfg.head_dim,
+        f"{a}.attention.value_length": cfg.head_dim,
+    }
+
+
+def uint32_counts(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """``metadata`` with every integer value (not a bool) as ``(value,
+    TypeInfo(UINT32))``: llama.cpp refuses a file whose counts are INT32."""
+    from toy.gguf.constants import ValueType
+    from toy.gguf.reader import TypeInfo
+
+    u32 = TypeInfo(ValueType.UINT32)
+    return {k: (v, u32) if isinstance(v, int) and not isinstance(v, bool) else v for k, v in metadata.items()}
+
+
+def train_shape_fields(d: Mapping[str, Any], n_vocab: int) -> dict[str, Any]:
+    """The llama-family config fields of a from-scratch run from
+    ``resolve_shape``'s dimensions ``d``; an odd ``head_dim`` is a
+    ``ConfigError`` (RoPE rotates pairs)."""
+    if d["head_dim"] % 2:
+        from toy.train.config import ConfigError
+
+        raise ConfigError(f"model.head_dim={d['head_dim']} must be even (RoPE rotates pairs)")
+    return dict(
+        n_vocab=n_vocab,
+        d_model=d["d_model"],
+        n_layer=d["n_layer"],
+        n_head=d["n_head"],
+        n_head_kv=d["n_head_kv"],
+        head_dim=d["head_dim"],
+        d_ff=d["d_ff"],
+        rms_eps=d["norm_eps"],
+        rope_base=d["rope_base"],
+        tied_output=d["tied_output"],
+    )

@@ -51,7 +51,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from toy.models import Architecture, LoraTarget, ParamInfo, UnsupportedModelError
-from toy.models.common import final_softcapped, gelu_tanh, lora_linear
+from toy.models.common import (
+    final_softcapped,
+    gelu_tanh,
+    lora_linear,
+    shape_metadata,
+    train_shape_fields,
+    uint32_counts,
+)
 
 SUPPORTED_ARCHITECTURES = ("gemma2", "gemma3")
 
@@ -347,21 +354,11 @@ def metadata(cfg: GemmaConfig, name: str) -> dict[str, Any]:
     keys its converter writes for the architecture, plus what llama.cpp
     reads that the converter leaves to defaults when they differ (a sliding
     pattern other than the default, RoPE bases)."""
-    from toy.gguf.constants import ValueType
-    from toy.gguf.reader import TypeInfo
-
     a = cfg.architecture
     out: dict[str, Any] = {
         "general.architecture": a,
         "general.name": name,
-        f"{a}.context_length": int(cfg.context_length or 8192),
-        f"{a}.embedding_length": cfg.d_model,
-        f"{a}.block_count": cfg.n_layer,
-        f"{a}.feed_forward_length": cfg.d_ff,
-        f"{a}.attention.head_count": cfg.n_head,
-        f"{a}.attention.head_count_kv": cfg.n_head_kv,
-        f"{a}.attention.key_length": cfg.head_dim,
-        f"{a}.attention.value_length": cfg.head_dim,
+        **shape_metadata(a, cfg, 8192),
         f"{a}.attention.layer_norm_rms_epsilon": float(cfg.rms_eps),
         f"{a}.rope.freq_base": float(cfg.rope_base),
         f"{a}.rope.freq_base_swa": float(cfg.rope_base_swa),
@@ -382,8 +379,7 @@ def metadata(cfg: GemmaConfig, name: str) -> dict[str, Any]:
         default = tuple(i % 6 < 5 for i in range(cfg.n_layer))
     if cfg.sliding_window and cfg.swa_layers != default:
         out[f"{a}.attention.sliding_window_pattern"] = [bool(x) for x in cfg.swa_layers]
-    u32 = TypeInfo(ValueType.UINT32)
-    return {k: (v, u32) if isinstance(v, int) and not isinstance(v, bool) else v for k, v in out.items()}
+    return uint32_counts(out)
 
 
 #: ``toy train from-scratch --arch gemma`` size presets (the vocabulary comes from the tokenizer)
@@ -398,26 +394,14 @@ def train_config(d: Mapping[str, Any], n_vocab: int, context: int) -> GemmaConfi
     soft-cap), sliding windows of half the context on five layers in six,
     RoPE base ``rope_base`` on global layers and 10000 on sliding ones, the
     context length = the training context."""
-    if d["head_dim"] % 2:
-        from toy.train.config import ConfigError
-
-        raise ConfigError(f"model.head_dim={d['head_dim']} must be even (RoPE rotates pairs)")
+    fields = train_shape_fields(d, n_vocab)
     window = max(1, context // 2)
     return GemmaConfig(
-        n_vocab=n_vocab,
-        d_model=d["d_model"],
-        n_layer=d["n_layer"],
-        n_head=d["n_head"],
-        n_head_kv=d["n_head_kv"],
-        head_dim=d["head_dim"],
-        d_ff=d["d_ff"],
-        rms_eps=d["norm_eps"],
-        rope_base=d["rope_base"],
+        **fields,
         rope_base_swa=10000.0,
         sliding_window=window,
         swa_layers=tuple(i % 6 < 5 for i in range(d["n_layer"])),
         qk_norm=True,
-        tied_output=d["tied_output"],
         context_length=context,
         architecture="gemma3",
     )

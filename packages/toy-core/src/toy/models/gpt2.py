@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from toy.models import Architecture, LoraTarget, ParamInfo, UnsupportedModelError
-from toy.models.common import gelu_tanh, lora_linear
+from toy.models.common import gelu_tanh, lora_linear, uint32_counts
 
 _LAYER_TENSORS = (
     "attn_norm.weight",
@@ -218,9 +218,6 @@ def lora_targets(cfg: GPT2Config) -> dict[str, LoraTarget]:
 
 def metadata(cfg: GPT2Config, name: str) -> dict[str, Any]:
     """The ``gpt2.*`` metadata llama.cpp's converter writes (F32 weights)."""
-    from toy.gguf.constants import ValueType
-    from toy.gguf.reader import TypeInfo
-
     a = "gpt2"
     out = {
         "general.architecture": a,
@@ -232,8 +229,7 @@ def metadata(cfg: GPT2Config, name: str) -> dict[str, Any]:
         f"{a}.attention.head_count": cfg.n_head,
         f"{a}.attention.layer_norm_epsilon": float(cfg.norm_eps),
     }
-    u32 = TypeInfo(ValueType.UINT32)
-    return {k: (v, u32) if isinstance(v, int) else v for k, v in out.items()}
+    return uint32_counts(out)
 
 
 #: ``toy train from-scratch --arch gpt2`` size presets (the vocabulary comes from the tokenizer)

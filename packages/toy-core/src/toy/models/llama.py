@@ -28,7 +28,7 @@ from typing import Any
 
 from toy.models import Architecture, LoraTarget, ParamInfo, UnsupportedModelError, moe
 from toy.models.card import summary_from
-from toy.models.common import lora_linear
+from toy.models.common import lora_linear, shape_metadata, train_shape_fields, uint32_counts
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "olmoe", "qwen2moe", "qwen3moe")
 MOE_ARCHITECTURES = ("olmoe", "qwen2moe", "qwen3moe")
@@ -373,28 +373,17 @@ def metadata(cfg: LlamaConfig, name: str) -> dict[str, Any]:
     (it refuses a file whose counts are INT32 instead of UINT32). A
     checkpoint is always written as ``llama`` (qwen2/qwen3 variants are not
     trained from scratch)."""
-    from toy.gguf.constants import ValueType
-    from toy.gguf.reader import TypeInfo
-
     a = "llama"
     out = {
         "general.architecture": a,
         "general.name": name,
         f"{a}.vocab_size": cfg.n_vocab,
-        f"{a}.context_length": int(cfg.context_length or 2048),
-        f"{a}.embedding_length": cfg.d_model,
-        f"{a}.block_count": cfg.n_layer,
-        f"{a}.feed_forward_length": cfg.d_ff,
-        f"{a}.attention.head_count": cfg.n_head,
-        f"{a}.attention.head_count_kv": cfg.n_head_kv,
-        f"{a}.attention.key_length": cfg.head_dim,
-        f"{a}.attention.value_length": cfg.head_dim,
+        **shape_metadata(a, cfg, 2048),
         f"{a}.rope.dimension_count": cfg.rope_dims,
         f"{a}.rope.freq_base": float(cfg.rope_base),
         f"{a}.attention.layer_norm_rms_epsilon": float(cfg.rms_eps),
     }
-    u32 = TypeInfo(ValueType.UINT32)
-    return {k: (v, u32) if isinstance(v, int) else v for k, v in out.items()}
+    return uint32_counts(out)
 
 
 #: ``toy train from-scratch`` size presets (the vocabulary comes from the tokenizer)
@@ -410,23 +399,10 @@ def train_config(d: Mapping[str, Any], n_vocab: int, context: int) -> LlamaConfi
     dimensions): RoPE over the whole head in llama's "normal" pairing (what
     llama.cpp runs for ``general.architecture = llama``), the context length
     = the training context."""
-    if d["head_dim"] % 2:
-        from toy.train.config import ConfigError
-
-        raise ConfigError(f"model.head_dim={d['head_dim']} must be even (RoPE rotates pairs)")
     return LlamaConfig(
-        n_vocab=n_vocab,
-        d_model=d["d_model"],
-        n_layer=d["n_layer"],
-        n_head=d["n_head"],
-        n_head_kv=d["n_head_kv"],
-        head_dim=d["head_dim"],
-        d_ff=d["d_ff"],
-        rms_eps=d["norm_eps"],
-        rope_base=d["rope_base"],
+        **train_shape_fields(d, n_vocab),
         rope_dims=d["head_dim"],
         rope_mode="normal",
-        tied_output=d["tied_output"],
         context_length=context,
     )
 
