@@ -18,6 +18,21 @@
   app's ``_Server``: metrics, worker).
 - ``serve_settings``: ``Settings`` for the SmolLM2 file with the run bundles
   in a temporary folder (keyword arguments override fields).
+
+A generated model file (test_serve_gpt2.py, test_serve_gemma.py,
+test_serve_moe.py: the reference helpers' converted files) is served by
+``file_*`` fixtures over the test module's own ``file_path`` fixture (which
+may be parametrized over files), per module:
+
+- ``file_served``: the file loaded the way the server loads one
+  (``n_slot=file_slots``, 4 unless the module overrides ``file_slots``,
+  ``exact_batching``, ``n_ctx=file_ctx``, 128, one thread); ``file_ref``:
+  a second copy (``n_slot=1``), the library reference;
+- ``file_live``: a live server over ``file_served`` (its run bundles in a
+  temporary folder), ``file_client`` its ``openai`` client, ``file_alias``
+  the model name it serves (the file's stem).
+
+Their checks are in ``serve_helpers`` (registered by the root conftest.py).
 """
 
 from __future__ import annotations
@@ -32,6 +47,7 @@ import httpx
 import pytest
 
 CTX = 512
+FILE_CTX = 128  # the generated models' context (the tiny GPT-2's learned positions)
 
 
 class LiveServer:
@@ -162,3 +178,55 @@ def serving():
             live.stop()
 
     return run
+
+
+# ------------------------------------------------------------ a generated model file (``file_path``)
+
+
+@pytest.fixture(scope="module")
+def file_slots() -> int:
+    return 4
+
+
+@pytest.fixture(scope="module")
+def file_ctx() -> int:
+    return FILE_CTX
+
+
+@pytest.fixture(scope="module")
+def file_served(file_path, file_slots, file_ctx):
+    import toy
+
+    m = toy.load(file_path, n_ctx=file_ctx, n_slot=file_slots, threads=1, exact_batching=True)
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def file_ref(file_path, file_ctx):
+    import toy
+
+    m = toy.load(file_path, n_ctx=file_ctx, n_slot=1, threads=1, exact_batching=True)
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def file_live(file_served, file_path, serving, tmp_path_factory):
+    from toy_serve import Settings
+
+    runs = tmp_path_factory.mktemp(f"serve-{file_path.stem}-runs")
+    with serving(Settings(model=str(file_path), runs_dir=str(runs), drain_timeout=10.0), file_served) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def file_client(file_live):
+    with file_live.client() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def file_alias(file_live, file_path) -> str:
+    assert file_live.srv.settings.alias == file_path.stem
+    return file_live.srv.settings.alias

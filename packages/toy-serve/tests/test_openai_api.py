@@ -38,7 +38,6 @@ After every error the server must still answer a small completion
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import re
@@ -48,6 +47,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from serve_helpers import assert_chat_stream_equals_non_stream, assert_concurrent_equal_alone, completion_tokens
 
 from toy.engine.sampling import log_softmax
 
@@ -83,11 +83,6 @@ def client(live):
 @pytest.fixture(scope="module")
 def alias(live):
     return live.srv.settings.alias
-
-
-def completion_tokens(gen) -> int:
-    """What the server counts for a library ``Generation``: its tokens plus a generated stop token."""
-    return len(gen.tokens) + isinstance(gen.stop, int)
 
 
 def assert_serving(client, alias):
@@ -430,21 +425,7 @@ def test_chat_ending_on_the_end_of_turn_token(client, alias, ref_model):
 
 
 def test_chat_stream_equals_non_stream(client, alias):
-    full = client.chat.completions.create(model=alias, messages=MESSAGES, max_tokens=N, temperature=0)
-    stream = client.chat.completions.create(
-        model=alias, messages=MESSAGES, max_tokens=N, temperature=0, stream=True, stream_options={"include_usage": True}
-    )
-    chunks = list(stream)
-    assert all(ch.object == "chat.completion.chunk" for ch in chunks)
-    body = [ch for ch in chunks if ch.choices]
-    assert body[0].choices[0].delta.role == "assistant"  # the role comes first
-    assert not body[0].choices[0].delta.content
-    assert all(ch.choices[0].delta.role is None for ch in body[1:])
-    content = "".join(ch.choices[0].delta.content or "" for ch in body)
-    assert content == full.choices[0].message.content
-    assert body[-1].choices[0].finish_reason == full.choices[0].finish_reason
-    assert all(ch.choices[0].finish_reason is None for ch in body[:-1])
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert_chat_stream_equals_non_stream(client, model=alias, messages=MESSAGES, max_tokens=N, temperature=0)
 
 
 def test_chat_logprobs(client, alias, ref_model):
@@ -530,32 +511,8 @@ def test_embeddings_token_ids_and_unnormalized(live, ref_model):
 
 
 def test_concurrent_streams_equal_alone(live, client, alias):
-    alone = [
-        client.completions.create(model=alias, prompt=p, max_tokens=16, temperature=0).choices[0].text for p in PROMPTS
-    ]
-
-    async def one(c, prompt):
-        parts, finish, first = [], None, None
-        stream = await c.completions.create(model=alias, prompt=prompt, max_tokens=16, temperature=0, stream=True)
-        async for chunk in stream:
-            if first is None:
-                first = time.monotonic()
-            for ch in chunk.choices:
-                parts.append(ch.text)
-                finish = ch.finish_reason or finish
-        return "".join(parts), finish, first, time.monotonic()
-
-    async def main():
-        async with live.async_client() as c:
-            return await asyncio.gather(*(one(c, p) for p in PROMPTS))
-
-    results = asyncio.run(main())
-    for p, want, (text, finish, _, _) in zip(PROMPTS, alone, results):
-        assert finish in ("length", "stop"), p
-        assert text == want, p
-    # they really ran together: some stream was open while another one produced its first chunk
-    spans = sorted((first, end) for _, _, first, end in results)
-    assert any(spans[i + 1][0] < spans[i][1] for i in range(len(spans) - 1))
+    kw = dict(model=alias, max_tokens=16, temperature=0)
+    assert_concurrent_equal_alone(live, client, PROMPTS, kw, finishes=("length", "stop"), plain=False)
     assert_serving(client, alias)
 
 
