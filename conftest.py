@@ -10,8 +10,12 @@ models covering every config variant, for forward and engine tests),
 ``from train_helpers import packed_batch, assert_grads_close`` (batches and
 the gradient comparison of the training-engine tests),
 ``from cli_helpers import run, assert_clean_error, FakeStdin`` (the CLI tests'
-in-process ``toy``, clean-error check and fake stdin) and
-``from bench_side import Side`` (a benchmark's child process).
+in-process ``toy``, clean-error check and fake stdin),
+``from bench_side import Side`` (a benchmark's child process), the
+reference-model helpers ``gpt2_ref``, ``gemma_ref``, ``moe_ref`` (seeded
+Hugging Face models converted by llama.cpp's converter, cached),
+``llamacpp_parity`` (what the llama.cpp parity tests share) and
+``serve_helpers`` (what the live-server tests share).
 
 ``record`` (benchmarks): print one figure as a JSON line on stdout with at
 least ``bench``, ``figure``, ``value`` and ``unit``, plus the context that
@@ -69,6 +73,9 @@ _HELPERS = {
     "moe_ref": "packages/toy-core/tests/moe_ref.py",
     "gpt2_np": "packages/toy-core/tests/gpt2_np.py",
     "torch_gpt2": "packages/toy-core/tests/torch_gpt2.py",
+    # after gpt2_ref and train_helpers, which they import
+    "llamacpp_parity": "packages/toy-core/tests/llamacpp_parity.py",
+    "serve_helpers": "packages/toy-serve/tests/serve_helpers.py",
 }
 
 

@@ -26,12 +26,11 @@ Every run is pinned to the CPU and one thread (as test_cli_infer.py).
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import gemma_ref
 import pytest
-from cli_helpers import assert_clean_error, run
+from cli_helpers import assert_clean_error, infer_json_and_library, row, run
 
 PROMPT = "The quick brown fox jumps over the lazy dog."  # 15 tokens: past the window of 8
 N = 8
@@ -45,11 +44,6 @@ def _cpu_one_thread(monkeypatch):
 
 def path_of(shape: str) -> Path:
     return gemma_ref.gguf_path(shape, 0, "f32")
-
-
-def row(out: str, label: str, value: str) -> None:
-    """``label`` then ``value`` on one line of `toy describe` (the label column is padded)."""
-    assert re.search(rf"^{re.escape(label)}\s+{re.escape(value)}$", out, re.M), f"{label!r}: {value!r} not in\n{out}"
 
 
 # ---------------------------------------------------------------- toy describe
@@ -127,18 +121,11 @@ def test_describe_gemma3(capsys, shape):
 
 @pytest.mark.parametrize("shape", ["gemma2-tiny", "gemma3-tiny-untied"])
 def test_infer_greedy_equals_the_library(capsys, shape):
-    import toy
-
     path = path_of(shape)
     code, out, err = run(capsys, "infer", path, PROMPT, "-n", N, "--greedy")
     assert code == 0, err
     assert "Traceback" not in err and out.endswith("\n") and out.strip()
-    code, out_json, err = run(capsys, "infer", path, PROMPT, "-n", N, "--greedy", "--ignore-eos", "--json", "-q")
-    assert code == 0 and err == ""
-    d = json.loads(out_json)
-    with toy.load(path, threads=1) as m:
-        ids = m.tokenize(PROMPT)
-        want = m.generate(PROMPT, max_tokens=N, temperature=0, ignore_eos=True)
+    d, ids, want = infer_json_and_library(capsys, path, PROMPT, N)
     assert len(ids) > 8 and d["prompt_ids"] == ids
     assert d["tokens"] == want.tokens and d["text"] == want.text and len(d["tokens"]) == N
 

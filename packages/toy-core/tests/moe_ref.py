@@ -44,7 +44,12 @@ forward (``hf_logits``, ``hf_greedy``, ``hf_router_topk``).
 - ``llamacpp_topk(probs, k)``: the experts llama.cpp's CPU argsort selects
   (lower index first among exact ties, for <= 16 experts);
 - ``router_margin(router)``: how decisive the routing is (below);
-  ``sample_ids(n, seed)``: a deterministic token sample.
+  ``sample_ids(n, seed)``: a deterministic token sample;
+- ``GGUF_LAYER_NAMES``: the converter's tensor names of a layer's modules
+  (the experts' ``mlp.experts.E.*_proj`` go into the stacked ``*_exps``).
+
+The cache machinery and the HF forward are gpt2_ref's (``recipe_hf_dir``,
+``recipe_gguf``, ``cached_file``, ``load_causal_lm``, ...).
 
 The shapes follow the checklist that makes llama.cpp and HF compute the same
 function (docs: /work/notes/moe_spec.md section 3.3): every layer sparse
@@ -113,39 +118,19 @@ argmaxes), the tie-breaking above. toy's ``q4_k_m`` files loaded too (their
 logits 3.2 to 5.2 from HF's, measured when toy's quantizer wrote Q4_K
 everywhere, routers included; they are now llama.cpp's Q4_K_M mix).
 
-Nothing is ever fetched from a model hub: HF_HUB_OFFLINE and
-TRANSFORMERS_OFFLINE are set before transformers is imported.
-
-Test modules import it as ``import moe_ref`` once the root conftest.py
-registers it (test_moe_ref.py loads it by path until then); it imports
-``gpt2_ref`` the same way, or by path outside pytest.
+Offline and imported as gemma_ref is (its docstring says how): ``import
+moe_ref`` in tests, gpt2_ref importable or loaded first elsewhere.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
-import importlib.util
 import os
-import shutil
-import sys
-import tempfile
 from pathlib import Path
 
+import gpt2_ref  # first: it sets HF_HUB_OFFLINE and TRANSFORMERS_OFFLINE
 import numpy as np
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-
-try:
-    import gpt2_ref
-except ModuleNotFoundError:  # outside pytest (the root conftest.py registers it)
-    _spec = importlib.util.spec_from_file_location("gpt2_ref", Path(__file__).with_name("gpt2_ref.py"))
-    gpt2_ref = importlib.util.module_from_spec(_spec)
-    sys.modules["gpt2_ref"] = gpt2_ref
-    _spec.loader.exec_module(gpt2_ref)
 
 ROOT = gpt2_ref.ROOT
 N_VOCAB = gpt2_ref.N_VOCAB
@@ -276,6 +261,16 @@ ROUTER_GAIN = 2.0  # router (mlp.gate) weights: N(0, (ROUTER_GAIN / sqrt(hidden)
 BIAS_STD = 0.1  # Q/K/V biases (qwen2moe)
 NORM_MEAN = 1.0  # RMSNorm weights: N(NORM_MEAN, NORM_STD²)
 NORM_STD = 0.2
+# the converter's names of a layer's tensors, by HF module (the experts' are stacked into *_exps)
+GGUF_LAYER_NAMES = {
+    **gpt2_ref.ATTN_GGUF_NAMES,
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+}
 
 
 def cache_root() -> Path:
@@ -343,63 +338,21 @@ def make_hf_moe(out_dir, *, arch: str, seed: int, tied_router=None, **fields) ->
     return out
 
 
-def hf_state_dict(hf_dir) -> dict[str, np.ndarray]:
-    """The saved tensors as float32 NumPy arrays (HF names and layout:
-    ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``)."""
-    from safetensors.numpy import load_file
-
-    return dict(load_file(str(Path(hf_dir) / "model.safetensors")))
-
-
-def _load_hf(hf_dir, **config):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        str(hf_dir), dtype=torch.float32, attn_implementation="eager", local_files_only=True, **config
-    ).eval()
-
-
-@contextlib.contextmanager
-def _torch_threads(n: int = TORCH_THREADS):
-    """torch's intra-op threads set to ``n`` for the block (no grad), then restored."""
-    import torch
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        torch.set_num_threads(old)
+# the saved tensors as float32 NumPy arrays (HF names and layout:
+# ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``)
+hf_state_dict = gpt2_ref.hf_state_dict
 
 
 def hf_logits(hf_dir, ids, **config) -> np.ndarray:
-    """Float32 logits ``(T, V)`` of ``ids`` at positions 0..T-1.
-    ``config``: config fields changed at load time."""
-    import torch
-
-    model = _load_hf(hf_dir, **config)
-    with _torch_threads():
-        out = model(torch.tensor([list(ids)], dtype=torch.long), use_cache=False)
-    return out.logits[0].float().numpy()
+    """Float32 logits ``(T, V)`` of ``ids`` at positions 0..T-1, on
+    ``TORCH_THREADS``. ``config``: config fields changed at load time."""
+    return gpt2_ref.model_logits(gpt2_ref.load_causal_lm(hf_dir, **config), ids, TORCH_THREADS)
 
 
 def hf_greedy(hf_dir, ids, n: int, **config) -> list[int]:
     """``n`` greedy tokens after ``ids`` (the argmax of the last position's
     logits, fed back; full recompute each step, no KV cache)."""
-    import torch
-
-    model = _load_hf(hf_dir, **config)
-    seq = list(ids)
-    out = []
-    with _torch_threads():
-        for _ in range(n):
-            logits = model(torch.tensor([seq], dtype=torch.long), use_cache=False).logits[0, -1]
-            t = int(torch.argmax(logits))
-            out.append(t)
-            seq.append(t)
-    return out
+    return gpt2_ref.model_greedy(gpt2_ref.load_causal_lm(hf_dir, **config), ids, n, TORCH_THREADS)
 
 
 def hf_router_topk(hf_dir, ids, **config) -> dict[str, np.ndarray]:
@@ -419,14 +372,14 @@ def hf_router_topk(hf_dir, ids, **config) -> dict[str, np.ndarray]:
     import torch
     import torch.nn.functional as F
 
-    model = _load_hf(hf_dir, **config)
+    model = gpt2_ref.load_causal_lm(hf_dir, **config)
     captured: list = []
     hooks = [
         layer.mlp.gate.register_forward_hook(lambda _m, _i, out: captured.append(out.detach().clone()))
         for layer in model.model.layers
     ]
     try:
-        with _torch_threads():
+        with gpt2_ref.torch_threads(TORCH_THREADS):
             model(torch.tensor([list(ids)], dtype=torch.long), use_cache=False)
             k = model.config.num_experts_per_tok
             logits = torch.stack([c.reshape(-1, c.shape[-1]) for c in captured])  # (L, T, E)
@@ -506,18 +459,7 @@ def sample_ids(n: int = 64, seed: int = 0) -> list[int]:
 
 
 def _digest() -> str:
-    import tokenizers
-    import torch
-    import transformers
-
-    h = hashlib.sha256()
-    h.update(Path(__file__).read_bytes())
-    h.update(Path(gpt2_ref.__file__).read_bytes())
-    h.update(
-        f"{gpt2_ref.SDIST_SHA256} torch={torch.__version__} transformers={transformers.__version__} "
-        f"tokenizers={tokenizers.__version__}".encode()
-    )
-    return h.hexdigest()[:12]
+    return gpt2_ref.versions_digest([__file__, gpt2_ref.__file__], "torch", "transformers", "tokenizers")
 
 
 def _toy_quant_digest() -> str:
@@ -532,39 +474,9 @@ def _toy_quant_digest() -> str:
     return h.hexdigest()[:12]
 
 
-def _folder(shape: str, seed: int) -> Path:
-    if shape not in SHAPES:
-        raise ValueError(f"shape must be one of {sorted(SHAPES)}, not {shape!r}")
-    return cache_root() / f"moe-{shape}-seed{seed}-{_digest()}"
-
-
-def _prune(pattern: str, keep: Path) -> None:
-    """Remove the cache folders of older recipes."""
-    for old in cache_root().glob(pattern):
-        if old != keep and old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-
-
 def hf_dir(shape: str = "qwen3moe-tiny", seed: int = 0) -> Path:
     """The cached HF model folder of ``SHAPES[shape]`` and ``seed``."""
-    folder = _folder(shape, seed)
-    done = folder / "hf"
-    if (done / "model.safetensors").is_file():
-        return done
-    _prune(f"moe-{shape}-seed{seed}-*", folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    # built under a fixed name, then moved
-    stage = Path(tempfile.mkdtemp(prefix=".hf-", dir=folder))
-    try:
-        make_hf_moe(stage / "hf", seed=seed, **SHAPES[shape])
-        try:
-            (stage / "hf").rename(done)
-        except OSError:
-            if not (done / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-    return done
+    return gpt2_ref.recipe_hf_dir(cache_root(), "moe", SHAPES, shape, seed, _digest(), make_hf_moe)
 
 
 def gguf_path(shape: str = "qwen3moe-tiny", seed: int = 0, outtype: str = "f32") -> Path:
@@ -574,34 +486,17 @@ def gguf_path(shape: str = "qwen3moe-tiny", seed: int = 0, outtype: str = "f32")
     ``quantize_model(..., "Q4_K_M")``."""
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype must be one of {OUTTYPES}, not {outtype!r}")
-    if outtype in TOY_QUANT:
-        src = gguf_path(shape, seed, "f32")
-        tag = f"moe-{shape}-seed{seed}-{outtype}-toy"
-        out = src.parent / f"{tag}{_toy_quant_digest()}.gguf"
-        if out.is_file():
-            return out
+    if outtype not in TOY_QUANT:
+        return gpt2_ref.recipe_gguf(hf_dir(shape, seed), "moe", shape, seed, outtype, MODEL_NAME)
+    src = gguf_path(shape, seed, "f32")
+    tag = f"moe-{shape}-seed{seed}-{outtype}-toy"
+    out = src.parent / f"{tag}{_toy_quant_digest()}.gguf"
+    if not out.is_file():
         for old in src.parent.glob(f"{tag}*.gguf"):  # an older quantizer's file
             old.unlink(missing_ok=True)
-        from toy.gguf import quantize_model
+    from toy.gguf import quantize_model
 
-        tmp = out.with_name(f".tmp-{os.getpid()}-{out.name}")
-        try:
-            quantize_model(src, tmp, TOY_QUANT[outtype])
-            os.replace(tmp, out)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return out
-    src = hf_dir(shape, seed)
-    out = src.parent / f"moe-{shape}-seed{seed}-{outtype}.gguf"
-    if out.is_file():
-        return out
-    tmp = out.with_name(f".tmp-{os.getpid()}-{out.name}")
-    try:
-        gpt2_ref.convert_to_gguf(src, tmp, outtype, model_name=MODEL_NAME)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out
+    return gpt2_ref.cached_file(out, lambda tmp: quantize_model(src, tmp, TOY_QUANT[outtype]))
 
 
 def recipe(shape: str, seed: int, outtype: str) -> dict:

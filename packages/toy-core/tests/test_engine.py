@@ -51,13 +51,6 @@ WIDE = {"d": 64, "n_head": 2, "n_head_kv": 1, "head_dim": 32, "d_ff": 96, "seed"
 
 
 @pytest.fixture(scope="module")
-def rt():
-    r = tg.Runtime("cpu", threads=2)
-    yield r
-    r.close()
-
-
-@pytest.fixture(scope="module")
 def model_files(tmp_path_factory):
     """name -> path: every VARIANT, the wide F32 model and its Q8_0 copy."""
     d = tmp_path_factory.mktemp("tiny")

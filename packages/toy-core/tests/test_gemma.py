@@ -30,7 +30,6 @@ import gemma_ref
 import numpy as np
 import pytest
 
-import toy_ggml
 from toy import models
 from toy.engine.llm import LLMEngine
 from toy.gguf import GGUFFile
@@ -46,13 +45,6 @@ WINDOW = gemma_ref.SHAPES["gemma2-tiny"]["sliding_window"]
 def _ids(seed: int = 0, n: int = N_TOK) -> list[int]:
     vocab = gemma_ref.sp_vocab_size()
     return [2] + [int(t) for t in np.random.default_rng(seed).integers(8, vocab, n - 1)]  # BOS, then text-ish ids
-
-
-@pytest.fixture(scope="module")
-def rt():
-    r = toy_ggml.Runtime("cpu", threads=2)
-    yield r
-    r.close()
 
 
 def _full(rt, shape, gelu="exact"):

@@ -11,7 +11,8 @@ flash_attn=False, type_k=type_v=F16)``: the F16 KV cache and no flash
 attention, toy's defaults. This module holds the recipes the recorder
 imports (``PROMPTS``, ``MODELS``, ``LORA``, ``make_adapter``, ``FT``,
 ``finetune_checkpoint``, ``toy_tokens``), so the tests re-create the same
-files and check them by sha256 before comparing.
+files and check them by sha256 before comparing (the comparison itself is
+``llamacpp_parity``'s, shared with test_moe_llamacpp.py).
 
 - ``models``: ``gemma_ref``'s seeded random HF models converted by
   llama.cpp's ``convert_hf_to_gguf.py``: gemma2-tiny, gemma3-tiny and
@@ -88,17 +89,17 @@ HF on the exact GELU and an F32 cache instead.
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import gemma_ref
+import llamacpp_parity as parity
 import numpy as np
 import pytest
-from train_helpers import Batch, seeded_adapter
+from llamacpp_parity import sha256_file, weights_sha256
+from train_helpers import Batch
 
 HERE = Path(__file__).resolve().parent
 FIXTURE = HERE / "fixtures" / "gemma_llamacpp.json"
-FIX = json.loads(FIXTURE.read_text()) if FIXTURE.is_file() else None
 LOGIT_ATOL = 1e-5  # |toy - llama.cpp|, logits within ±4 (final soft-cap); measured <= 4.8e-7 (haswell)
 THREADS = 1
 N_GEN = 24
@@ -130,16 +131,12 @@ LORA = {
     "gemma2-tiny": {"seed": 20251203, "rank": 4, "alpha": 8.0, "targets": LORA_TARGETS, "std": 0.1},
 }
 
-
-def lora_base(shape: str) -> Path:
-    return gemma_ref.gguf_path(shape, 0, "f32")
-
-
-def make_adapter(shape: str, out_path) -> Path:
-    """The fixture's adapter for ``shape`` (``seeded_adapter`` with ``LORA[shape]``;
-    ``toy.lora.base`` is the base file's name, fixed whatever its folder)."""
-    base = lora_base(shape)
-    return seeded_adapter(base, out_path, base_name=base.name, **LORA[shape])
+REC = parity.Recorded(
+    FIXTURE, gemma_ref, "record_gemma_llamacpp.py", lora=LORA, n_gen=N_GEN, threads=THREADS, atol=LOGIT_ATOL
+)
+FIX = REC.fix
+# the recipes and toy's side, as the recorder imports them
+lora_base, make_adapter, toy_tokens = REC.lora_base, REC.make_adapter, REC.toy_tokens
 
 
 # -- the full fine-tune -------------------------------------------------------------
@@ -246,100 +243,7 @@ def finetune_checkpoint(folder: Path) -> tuple[Path, list[float]]:
     return path, losses
 
 
-# -- shared ---------------------------------------------------------------------------
-
-
-def sha256_file(path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def weights_sha256(path) -> str:
-    """sha256 over a GGUF's tensors (name, then bytes, in name order), as
-    test_train_pinned.py computes it."""
-    from toy.gguf import GGUFFile
-
-    h = hashlib.sha256()
-    with GGUFFile(path) as gf:
-        for name in sorted(gf.tensors):
-            h.update(name.encode() + b"\0")
-            h.update(gf.tensor_bytes(name))
-    return h.hexdigest()
-
-
-def toy_tokens(model_path, prompts, lora=None, n_gen: int = N_GEN) -> dict:
-    """toy's prompt ids (its tokenizer, BOS added), greedy tokens
-    (``generate``), the prompt's last-position logits (``logits``: every
-    row's head computed, as llama.cpp's ``logits_all``) and the chosen
-    token's logit at each greedy step through the decode path ``generate``
-    takes (the engine's prefill of the prompt, then one-token decodes), all
-    with toy's defaults: F16 KV cache, no flash attention, GELU "table"."""
-    import toy
-
-    out = {"prompt_ids": [], "greedy": [], "last_prompt_logits": [], "greedy_logits": []}
-    with toy.load(model_path, threads=THREADS, lora=lora, n_ctx=256, kv_type="f16", flash_attn=False) as m:
-        for p in prompts:
-            ids = m.tokenize(p)
-            g = m.generate(ids, max_tokens=n_gen, temperature=0, ignore_eos=True).tokens
-            last = np.asarray(m.logits(ids)[-1], np.float32)
-            eng = m.engine
-            eng.cache.clear(0)
-            try:
-                rows = [eng.prefill(0, ids)] + [eng.decode([0], [t])[0] for t in g[:-1]]
-            finally:
-                eng.cache.clear(0)
-            assert [int(np.argmax(r)) for r in rows] == list(g)  # the same path as generate
-            out["prompt_ids"].append(list(ids))
-            out["greedy"].append(list(g))
-            out["last_prompt_logits"].append(last)
-            out["greedy_logits"].append(np.array([r[t] for r, t in zip(rows, g)], np.float32))
-    return out
-
-
-def logit_diffs(got: dict, prompts: list[dict]) -> tuple[float, float]:
-    """max |toy - llama.cpp| over the prompts: (last-position heads, greedy
-    steps), in float32 (the fixture's decimals round-trip float32 values)."""
-    head = step = 0.0
-    for i, p in enumerate(prompts):
-        want = np.asarray(p["last_logits_head"], np.float32)
-        head = max(head, float(np.abs(got["last_prompt_logits"][i][: len(want)] - want).max()))
-        step = max(step, float(np.abs(got["greedy_logits"][i] - np.asarray(p["greedy_logits"], np.float32)).max()))
-    return head, step
-
-
-def assert_like_llamacpp(got: dict, prompts: list[dict], what: str) -> None:
-    """toy's ``toy_tokens`` against a fixture's per-prompt records."""
-    for i, p in enumerate(prompts):
-        assert got["prompt_ids"][i] == p["ids"], f"{what} {p['text']!r}: prompt ids"
-        assert got["greedy"][i] == p["greedy"], f"{what} {p['text']!r}: greedy tokens"
-    head, step = logit_diffs(got, prompts)
-    assert head <= LOGIT_ATOL, f"{what}: last-position logits differ from llama.cpp's by {head:.3g}"
-    assert step <= LOGIT_ATOL, f"{what}: greedy-step logits differ from llama.cpp's by {step:.3g}"
-
-
-needs_fixture = pytest.mark.skipif(FIX is None, reason=f"{FIXTURE.name} not recorded yet")
-
-
-def _id(r: dict) -> str:
-    return f"{r['shape']}-seed{r['seed']}-{r['outtype']}"
-
-
-def _model_params():
-    return [pytest.param(m, id=_id(m["recipe"])) for m in FIX["models"]] if FIX else []
-
-
-def _lora_params():
-    return [pytest.param(lo, id=lo["base"]["recipe"]["shape"]) for lo in FIX["lora"]] if FIX else []
-
-
-def _model_file(rec: dict) -> Path:
-    r = rec["recipe"]
-    assert r == gemma_ref.recipe(r["shape"], r["seed"], r["outtype"])
-    path = gemma_ref.gguf_path(r["shape"], r["seed"], r["outtype"])
-    assert sha256_file(path) == rec["sha256"], (
-        f"the regenerated {path.name} differs from the recorded one (torch, transformers, the converter or "
-        "gemma_ref changed?): re-record with tools/fixtures/record_gemma_llamacpp.py"
-    )
-    return path
+needs_fixture = REC.needed
 
 
 # -- tests ----------------------------------------------------------------------------
@@ -361,13 +265,13 @@ def test_the_fixture_is_of_these_recipes():
 
 
 @needs_fixture
-@pytest.mark.parametrize("rec", _model_params())
+@pytest.mark.parametrize("rec", REC.model_params())
 def test_prompt_ids_equal_llamacpp(rec):
     """toy's tokenizer (BOS added, as the file says) gives HF's ids, which
     are llama.cpp's (checked when recording)."""
     import toy
 
-    with toy.load(_model_file(rec), threads=THREADS, n_ctx=64) as m:
+    with toy.load(REC.model_file(rec), threads=THREADS, n_ctx=64) as m:
         assert m.tokenizer.bos_id == 2
         for p in rec["prompts"]:
             assert m.tokenize(p["text"]) == p["ids"], p["text"]
@@ -376,23 +280,18 @@ def test_prompt_ids_equal_llamacpp(rec):
 
 @needs_fixture
 @pytest.mark.avx2_reference
-@pytest.mark.parametrize("rec", _model_params())
+@pytest.mark.parametrize("rec", REC.model_params())
 def test_greedy_tokens_equal_llamacpp(rec):
-    path = _model_file(rec)
-    got = toy_tokens(path, [p["text"] for p in rec["prompts"]])
-    assert_like_llamacpp(got, rec["prompts"], _id(rec["recipe"]))
+    REC.assert_model_like_llamacpp(rec)
 
 
 @needs_fixture
-@pytest.mark.parametrize("lo", _lora_params())
+@pytest.mark.parametrize("lo", REC.lora_params())
 def test_adapter_is_the_recorded_file(lo, tmp_path):
     from toy.train.adapter import load_adapter
 
     shape = lo["base"]["recipe"]["shape"]
-    assert lo["base"]["recipe"] == gemma_ref.recipe(shape, 0, "f32")
-    assert sha256_file(lora_base(shape)) == lo["base"]["sha256"]
-    path = make_adapter(shape, tmp_path / "lora.gguf")
-    assert sha256_file(path) == lo["adapter"]["sha256"]  # numpy's stream and toy's writer: the same bytes
+    _, path = REC.lora_files(lo, tmp_path)  # the recorded recipe, base and adapter bytes
     ad = load_adapter(path)
     n_layer = gemma_ref.SHAPES[shape]["num_hidden_layers"]
     assert ad.architecture == shape[:6] and ad.rank == 4 and len(ad.pairs) == n_layer * len(LORA_TARGETS)
@@ -400,15 +299,9 @@ def test_adapter_is_the_recorded_file(lo, tmp_path):
 
 @needs_fixture
 @pytest.mark.avx2_reference
-@pytest.mark.parametrize("lo", _lora_params())
+@pytest.mark.parametrize("lo", REC.lora_params())
 def test_lora_greedy_tokens_equal_llamacpp(lo, tmp_path):
-    shape = lo["base"]["recipe"]["shape"]
-    base = lora_base(shape)
-    assert sha256_file(base) == lo["base"]["sha256"]
-    path = make_adapter(shape, tmp_path / "lora.gguf")
-    assert sha256_file(path) == lo["adapter"]["sha256"]
-    got = toy_tokens(base, [p["text"] for p in lo["prompts"]], lora=[(path, lo["adapter"]["lora_scale"])])
-    assert_like_llamacpp(got, lo["prompts"], f"{shape} + adapter")
+    REC.assert_lora_like_llamacpp(lo, tmp_path)
 
 
 @needs_fixture
@@ -435,4 +328,4 @@ def test_finetune_checkpoint_is_the_recorded_file_and_llama_cpp_agrees(tmp_path)
         )
     assert sha256_file(path) == ft["sha256"]  # the whole file, metadata included, byte for byte
     got = toy_tokens(path, [p["text"] for p in ft["prompts"]])
-    assert_like_llamacpp(got, ft["prompts"], "fine-tune")
+    REC.assert_like_llamacpp(got, ft["prompts"], "fine-tune")

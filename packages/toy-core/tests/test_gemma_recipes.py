@@ -42,8 +42,6 @@ Where each expectation comes from:
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -51,16 +49,18 @@ from pathlib import Path
 import gemma_ref
 import numpy as np
 import pytest
+import train_helpers as th
+from gpt2_ref import sha256 as sha
+from train_helpers import assert_full_checkpoints, events, loss_spans
 
 import toy
 from toy import models
 from toy.gguf import GGUFFile
 from toy.tokenizer import ChatTemplate, ChatTemplateError, Tokenizer
 from toy.train.adapter import load_adapter
-from toy.train.config import defaults, override
 from toy.train.data import DataError
 from toy.train.instruct import load_examples
-from toy.train.loop import Hooks, resume, train
+from toy.train.loop import train
 
 SHAPES = ("gemma2-tiny", "gemma3-tiny-untied")
 CONTEXT = 48  # six windows of 8
@@ -68,27 +68,12 @@ CONTEXT = 48  # six windows of 8
 # (its input rounded to float16), so a rounding-level change in the gate's product can move a GELU
 # output by a float16 step (observed 1.3e-4 of the largest |logit|)
 TOL = 2e-3
-WORDS = "alpha beta gamma delta river stone cloud light green small".split()
 CHAT = [
     {"role": "user", "content": "Hi there"},
     {"role": "assistant", "content": "Hello!"},
     {"role": "user", "content": "Bye"},
     {"role": "assistant", "content": "Bye now."},
 ]
-# keys a checkpoint writes itself: what it holds (F32), which run and step
-OWN_KEYS = {"general.file_type", "toy.train.run_id", "toy.train.step"}
-
-
-def sha(p: Path) -> str:
-    return hashlib.sha256(Path(p).read_bytes()).hexdigest()
-
-
-def events(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
-
-
-def step_losses(run_dir: Path) -> dict[int, float]:
-    return {e["step"]: e["loss"] for e in events(run_dir) if e["kind"] == "step"}
 
 
 def base_path(shape: str) -> Path:
@@ -103,91 +88,18 @@ def ids_past_the_window(n: int = 24) -> list[int]:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     """48 examples, 16 of each format, 17 to 29 tokens: each fits a row, and passes the window."""
-    d = tmp_path_factory.mktemp("gemma-data")
-    rng = np.random.default_rng(0)
-    rows = []
-    for i in range(48):
-        a, b = (str(w) for w in rng.choice(WORDS, size=2))
-        if i % 3 == 0:
-            rows.append({"text": f"The {a} and the {b} met by the {a}."})
-        elif i % 3 == 1:
-            rows.append({"prompt": f"say {a} twice:", "completion": f" {a} {a}."})
-        else:
-            rows.append(
-                {"messages": [{"role": "user", "content": f"A word like {a}?"}, {"role": "assistant", "content": b}]}
-            )
-    path = d / "data.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    path = tmp_path_factory.mktemp("gemma-data") / "data.jsonl"
+    return th.write_examples(path, 48, ("text", "prompt_completion", "messages"))
 
 
 def cfg_for(shape: str, recipe: str, data: Path, out: Path, steps: int, **kw):
-    values = {
-        "base": str(base_path(shape)),
-        "data.paths": [str(data)],
-        "steps": steps,
-        "batch_size": 2,
-        "context": CONTEXT,
-        "eval_every": 2,
-        "save_every": 3,
-        "keep_checkpoints": 0,
-        "sample_tokens": 4,
-        "out": str(out),
-        "threads": 1,
-        "seed": 3,
-    }
-    values.update(kw)
-    return override(defaults(recipe), **values)
+    return th.recipe_config(recipe, base_path(shape), data, out, steps, CONTEXT, **kw)
 
 
-class StopAt:
-    def __init__(self, step: int):
-        self.step, self.seen = step, 0
-
-    def progress(self, ev):
-        self.seen = ev["step"]
-
-    def should_stop(self):
-        return self.seen >= self.step
-
-
-def run_and_resume(cfg, tmp: Path, stop: int):
-    """The run straight through, and the same run stopped after ``stop`` steps and resumed."""
-    straight = train(cfg)
-    assert straight.reason == "completed" and straight.final_step == cfg.steps
-    s = StopAt(stop)
-    part = train(dataclasses.replace(cfg, out=str(tmp / "cut")), Hooks(progress=s.progress, should_stop=s.should_stop))
-    assert part.reason == "interrupted" and part.final_step == stop
-    done = resume(part.run_dir)
-    assert done.reason == "completed" and done.final_step == cfg.steps
-    return straight, done
-
-
-def assert_same_state(a: Path, b: Path) -> None:
-    """The training state saved beside two checkpoints (AdamW moments), tensor for tensor, bit for bit."""
-    sa, sb = (p.with_name(p.name.replace(".gguf", ".state.gguf")) for p in (a, b))
-    with GGUFFile(sa) as fa, GGUFFile(sb) as fb:
-        assert fa.tensors and set(fa.tensors) == set(fb.tensors)
-        for n in fa.tensors:
-            assert fa.tensor_to_float(n).tobytes() == fb.tensor_to_float(n).tobytes(), n
-
-
-def assert_run_bundle(run_dir: Path, recipe: str, arch: str, steps: int) -> None:
-    """run_start .. run_end, finite losses, evals, samples, checkpoints, the data line."""
-    ev = events(run_dir)
-    assert ev[0]["kind"] == "run_start" and ev[-1]["kind"] == "run_end" and ev[-1]["reason"] == "completed"
-    start = ev[0]
-    assert start["recipe"] == recipe and start["model"]["architecture"] == arch
-    assert start["data"]["kinds"] == {"text": 16, "prompt_completion": 16, "messages": 16}
-    assert {e["kind"] for e in ev} >= {"step", "eval", "sample", "checkpoint", "run_end"}
-    losses = step_losses(run_dir)
-    assert sorted(losses) == list(range(1, steps + 1))
-    assert all(isinstance(v, float) and math.isfinite(v) for v in losses.values()), losses
-    evals = [e for e in ev if e["kind"] == "eval"]
-    assert evals[0]["step"] == 0 and all(math.isfinite(e["loss"]) for e in evals)  # the base's loss first
-    assert all(isinstance(e["text"], str) for e in ev if e["kind"] == "sample")
-    (note,) = [e["text"] for e in ev if e["kind"] == "note" and e["text"].startswith("data:")]
-    assert "0 truncated, 0 dropped" in note, note
+def resumed(cfg, tmp: Path, stop: int):
+    """The run straight and stopped after ``stop`` steps and resumed, checked
+    alike (``train_helpers.resumed_run``): (straight, resumed, the base's config)."""
+    return th.resumed_run(cfg, tmp, stop, {"text": 16, "prompt_completion": 16, "messages": 16})
 
 
 # ---------------------------------------------------------------- the chat template
@@ -213,14 +125,8 @@ def test_messages_are_rendered_by_the_gemma_template(tmp_path):
     end_of_turn = tok.token_to_id("<end_of_turn>")
     assert end_of_turn in tok.eog_ids
 
-    spans, run = [], []
-    for t, flag in zip(ex.tokens.tolist(), ex.loss.tolist()):
-        if flag:
-            run.append(t)
-        elif run:
-            spans.append(tok.decode(run))
-            run = []
-    assert not run and spans == ["Hello!<end_of_turn>", "Bye now.<end_of_turn>"]
+    assert not ex.loss[-1]  # the last token (the template's newline) is no target
+    assert loss_spans(tok, ex) == ["Hello!<end_of_turn>", "Bye now.<end_of_turn>"]
     assert st.kinds == {"messages": 1}
 
 
@@ -294,11 +200,7 @@ def test_lora_run_resumes_exactly_and_its_adapter_loads(shape, data, tmp_path):
     before = sha(base)
     targets = ["q", "v", "o", "gate", "down"]
     cfg = cfg_for(shape, "lora", data, tmp_path / "a", 6, **{"lora.targets": targets, "lora.rank": 4, "optim.lr": 1e-2})
-    straight, done = run_and_resume(cfg, tmp_path, 2)
-    with GGUFFile(base) as gf:
-        mcfg = models.config_from_gguf(gf)
-    assert_run_bundle(straight.run_dir, "lora", mcfg.architecture, 6)
-    assert step_losses(straight.run_dir) == step_losses(done.run_dir)
+    straight, done, mcfg = resumed(cfg, tmp_path, 2)
     assert straight.checkpoint.name == done.checkpoint.name == "step_6.gguf"
 
     ad, bd = load_adapter(straight.checkpoint), load_adapter(done.checkpoint)
@@ -308,7 +210,6 @@ def test_lora_run_resumes_exactly_and_its_adapter_loads(shape, data, tmp_path):
     for k in ad.pairs:
         for x, y in zip(ad.pairs[k], bd.pairs[k]):
             assert x.tobytes() == y.tobytes(), k
-    assert_same_state(straight.checkpoint, done.checkpoint)
     assert any(np.abs(b).max() > 0 for _, b in ad.pairs.values())  # B moved off zero
     assert sha(base) == before  # the base is never written
 
@@ -339,33 +240,17 @@ def test_full_fine_tune_resumes_exactly_and_keeps_the_gemma_keys(shape, data, tm
     base = base_path(shape)
     before = sha(base)
     cfg = cfg_for(shape, "full", data, tmp_path / "f", 5, **{"optim.lr": 1e-3})
-    straight, done = run_and_resume(cfg, tmp_path, 3)
-    with GGUFFile(base) as gf:
-        bcfg = models.config_from_gguf(gf)
+    straight, done, bcfg = resumed(cfg, tmp_path, 3)
     arch = bcfg.architecture
-    assert_run_bundle(straight.run_dir, "full", arch, 5)
-    assert step_losses(straight.run_dir) == step_losses(done.run_dir)
-    assert_same_state(straight.checkpoint, done.checkpoint)
     assert sha(base) == before
 
     with GGUFFile(straight.checkpoint) as a, GGUFFile(done.checkpoint) as b, GGUFFile(base) as gf:
-        # the weights: the resumed run's equal the straight run's; every base tensor, trained
-        assert set(a.tensors) == set(b.tensors) == set(gf.tensors)
-        for n in a.tensors:
-            assert a.tensor_to_float(n).tobytes() == b.tensor_to_float(n).tobytes(), n
+        # the weights: the resumed run's equal the straight run's; every base tensor, trained; the metadata:
+        # the base's, key for key and type for type (architecture, window, caps, RoPE, tokenizer)
+        assert_full_checkpoints(a, b, gf, arch, 5)
         assert not np.array_equal(a.tensor_to_float("blk.0.attn_q.weight"), gf.tensor_to_float("blk.0.attn_q.weight"))
         if not bcfg.tied_output:
             assert not np.array_equal(a.tensor_to_float("output.weight"), gf.tensor_to_float("output.weight"))
-        # the metadata: the base's, key for key and type for type (architecture, window, caps, RoPE, tokenizer)
-        assert a.metadata["general.architecture"] == arch and a.metadata["general.file_type"] == 0
-        assert a.metadata["toy.train.step"] == 5
-        for k, v in gf.metadata.items():
-            if k in OWN_KEYS:
-                continue
-            assert k in a.metadata, k
-            assert a.types[k] == gf.types[k], k
-            got, want = a.metadata[k], v
-            assert list(np.atleast_1d(got)) == list(np.atleast_1d(want)), k
         assert a.metadata[f"{arch}.attention.sliding_window"] == 8
         if arch == "gemma2":
             caps = a.metadata["gemma2.attn_logit_softcapping"], a.metadata["gemma2.final_logit_softcapping"]

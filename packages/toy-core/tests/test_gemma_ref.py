@@ -24,24 +24,12 @@ runs only read them.
 
 from __future__ import annotations
 
-import functools
-
+import gemma_ref
+import gpt2_ref
 import numpy as np
 import pytest
 
 from toy.tokenizer import ChatTemplate, ChatTemplateError, Tokenizer
-
-try:
-    import gemma_ref
-except ModuleNotFoundError:  # until the root conftest.py registers it
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    _spec = importlib.util.spec_from_file_location("gemma_ref", Path(__file__).with_name("gemma_ref.py"))
-    gemma_ref = importlib.util.module_from_spec(_spec)
-    sys.modules["gemma_ref"] = gemma_ref
-    _spec.loader.exec_module(gemma_ref)
 
 SHAPES = sorted(gemma_ref.SHAPES)
 PROMPT = "Once upon a time, there was a little"
@@ -95,43 +83,8 @@ CONVERSATIONS = [
 ]
 
 
-@functools.lru_cache(maxsize=8)
-def fields(path):
-    """(every metadata key -> value, the GGUFReader) of a GGUF file."""
-    from gguf import GGUFReader
-
-    r = GGUFReader(str(path))
-    return {k: f.contents() for k, f in r.fields.items()}, r
-
-
-def tensors(path) -> dict:
-    return {t.name: t for t in fields(path)[1].tensors}
-
-
-def gguf_name(hf: str) -> str:
-    """The converter's tensor name for an HF name (gemma2/gemma3 map)."""
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-    if hf in top:
-        return top[hf]
-    if hf == "lm_head.weight":
-        return "output.weight"
-    parts = hf.split(".")  # model.layers.N.<module>[.<sub>].weight
-    sub = {
-        "input_layernorm": "attn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "self_attn.q_norm": "attn_q_norm",
-        "self_attn.k_norm": "attn_k_norm",
-        "post_attention_layernorm": "post_attention_norm",
-        "pre_feedforward_layernorm": "ffn_norm",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-        "post_feedforward_layernorm": "post_ffw_norm",
-    }[".".join(parts[3:-1])]
-    return f"blk.{parts[2]}.{sub}.weight"
+# (metadata, GGUFReader) of a converted file (cached), and its tensors by name
+fields, tensors = gpt2_ref.read_gguf, gpt2_ref.gguf_tensors
 
 
 @pytest.fixture(scope="module")
@@ -246,13 +199,13 @@ def test_gguf_tensors_equal_hf(shape):
     spec = gemma_ref.SHAPES[shape]
     sd = gemma_ref.hf_state_dict(gemma_ref.hf_dir(shape))
     got = tensors(gemma_ref.gguf_path(shape))
-    assert set(got) == {gguf_name(k) for k in sd}
+    assert set(got) == {gemma_ref.gguf_name(k) for k in sd}
     assert ("output.weight" in got) is (not spec["tie_word_embeddings"])
     assert ("blk.0.attn_q_norm.weight" in got) is (spec["arch"] == "gemma3")
     for i in range(spec["num_hidden_layers"]):
         assert f"blk.{i}.post_attention_norm.weight" in got and f"blk.{i}.post_ffw_norm.weight" in got
     for name, w in sd.items():
-        t = got[gguf_name(name)]
+        t = got[gemma_ref.gguf_name(name)]
         assert t.tensor_type == GGMLQuantizationType.F32, name
         data = np.asarray(t.data).reshape(w.shape)
         # norm weights are stored as 1 + w (computed in float32, as HF does at run time)
@@ -271,7 +224,7 @@ def test_gguf_outtypes(outtype):
     assert kv["general.file_type"] == {"f16": 1, "q8_0": 7}[outtype]
     qtype = GGMLQuantizationType[outtype.upper()]
     for name, t in tensors(gemma_ref.gguf_path(shape, outtype=outtype)).items():
-        hf = next(v for k, v in sd.items() if gguf_name(k) == name)
+        hf = next(v for k, v in sd.items() if gemma_ref.gguf_name(k) == name)
         if hf.ndim == 1:
             assert t.tensor_type == GGMLQuantizationType.F32, name  # norms stay F32
             continue

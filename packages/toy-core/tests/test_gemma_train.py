@@ -25,12 +25,9 @@ import dataclasses
 import gemma_ref
 import numpy as np
 import pytest
-from train_helpers import Batch, assert_grads_close
+from train_helpers import Batch, BoundModel, assert_grads_close, hf_masked_loss_backward, lora_reference
 
-import toy_ggml
 from toy import models
-from toy.gguf import GGUFFile, bind_tensors
-from toy.reference.llama_np import load_weights
 from toy.train.engine import TrainEngine
 from toy.train.lora import LoraSettings, LoraTrain
 from toy.train.model import ArchTrain
@@ -39,58 +36,16 @@ from toy.train.optim import OptimConfig
 SHAPES = ("gemma2-tiny", "gemma3-tiny", "gemma3-tiny-untied")
 B, T = 2, 20
 
-_LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "post_attention_layernorm": "post_attention_norm",
-    "pre_feedforward_layernorm": "ffn_norm",
-    "post_feedforward_layernorm": "post_ffw_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
 
-
-def gguf_name(hf_name: str) -> str:
-    """The GGUF tensor of a Hugging Face Gemma parameter."""
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-    if hf_name in top:
-        return top[hf_name]
-    if hf_name == "lm_head.weight":
-        return "output.weight"
-    _, _, n, rest = hf_name.split(".", 3)  # model.layers.N.<module>.weight
-    module = rest.rsplit(".", 1)[0]
-    return f"blk.{n}.{_LAYER_NAMES[module]}.weight"
-
-
-@pytest.fixture(scope="module")
-def rt():
-    r = toy_ggml.Runtime("cpu", threads=2)
-    yield r
-    r.close()
-
-
-class Base:
-    def __init__(self, shape, rt):
-        self.shape = shape
-        self.gf = GGUFFile(gemma_ref.gguf_path(shape, 0, "f32"))
-        self.cfg = dataclasses.replace(models.config_from_gguf(self.gf), gelu="exact")
-        self.bound = bind_tensors(self.gf, rt)
-        self.w = {k: v.astype(np.float32) for k, v in load_weights(self.gf).items()}
-
-    def close(self):
-        self.bound.close()
-        self.gf.close()
+def exact_gelu_config(gf):
+    """The file's config with GELU in its exact tanh form (HF's)."""
+    return dataclasses.replace(models.config_from_gguf(gf), gelu="exact")
 
 
 @pytest.fixture(scope="module", params=SHAPES)
 def base(request, rt):
-    b = Base(request.param, rt)
+    b = BoundModel(gemma_ref.gguf_path(request.param, 0, "f32"), rt, exact_gelu_config)
+    b.shape = request.param
     yield b
     b.close()
 
@@ -117,20 +72,13 @@ def hf_loss_and_grads(shape: str, weights: dict[str, np.ndarray], b: Batch):
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, p in params.items():
-            v = np.asarray(weights[gguf_name(name)], np.float64)
+            v = np.asarray(weights[gemma_ref.gguf_name(name)], np.float64)
             if name.endswith("norm.weight"):
                 v = v - 1.0  # the file holds Gemma's 1 + w
             p.copy_(torch.from_numpy(v))
-    model.eval()  # no dropout; gradients still flow
-    logits = model(torch.tensor(b.tokens, dtype=torch.long), use_cache=False).logits
-    nll = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), torch.tensor(b.targets.reshape(-1), dtype=torch.long), reduction="none"
-    )
-    keep = torch.tensor(b.loss_mask.reshape(-1), dtype=torch.float64)
-    loss = (nll * keep).sum() / keep.sum()
-    loss.backward()
-    grads = {gguf_name(n): p.grad.numpy().copy() for n, p in params.items()}
-    return float(loss.detach()), grads
+    loss = hf_masked_loss_backward(model, b)
+    grads = {gemma_ref.gguf_name(n): p.grad.numpy().copy() for n, p in params.items()}
+    return loss, grads
 
 
 def test_full_gradients_equal_hf_autograd(base, rt):
@@ -163,16 +111,7 @@ def test_lora_gradients_equal_hf_autograd(base, rt, settings):
         loss, grads = eng.gradients([b])
     finally:
         eng.close()
-    s = model.settings.scale
-    pairs = model.adapter_pairs(lora)
-    eff = dict(base.w)
-    for w, (a, bb) in pairs.items():
-        eff[w] = base.w[w].astype(np.float64) + s * bb.astype(np.float64) @ a.astype(np.float64)
-    ref_loss, g = hf_loss_and_grads(base.shape, eff, b)
-    ref = {}
-    for w, (a, bb) in pairs.items():
-        ref[f"{w}.lora_a"] = s * bb.astype(np.float64).T @ g[w]
-        ref[f"{w}.lora_b"] = s * g[w] @ a.astype(np.float64).T
+    ref_loss, ref = lora_reference(model, lora, base.w, lambda eff: hf_loss_and_grads(base.shape, eff, b))
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     assert_grads_close(grads, ref)
     assert len(grads) == 2 * len(model.settings.targets) * base.cfg.n_layer

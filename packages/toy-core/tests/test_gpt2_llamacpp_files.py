@@ -64,6 +64,7 @@ from pathlib import Path
 import gpt2_ref
 import numpy as np
 import pytest
+from llamacpp_parity import sha256_file, weights_sha256
 from train_helpers import seeded_adapter
 
 import toy_ggml
@@ -149,10 +150,6 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def sha256_file(path) -> str:
-    return sha256_bytes(Path(path).read_bytes())
-
-
 def normalized_sha256(path: Path, run_id: str) -> str:
     """The file's sha256 with the run id replaced by ``RUN_ID_PLACEHOLDER``
     (same length, so every offset stays); it must occur exactly twice
@@ -163,19 +160,6 @@ def normalized_sha256(path: Path, run_id: str) -> str:
     if data.count(run_id.encode()) != 2:
         raise ValueError(f"{path}: the run id occurs {data.count(run_id.encode())} times, not 2")
     return sha256_bytes(data.replace(run_id.encode(), RUN_ID_PLACEHOLDER.encode()))
-
-
-def weights_sha256(path: Path) -> str:
-    """sha256 over a GGUF's tensors (name, then bytes, in name order), as
-    test_train_pinned.py computes it."""
-    from toy.gguf import GGUFFile
-
-    h = hashlib.sha256()
-    with GGUFFile(path) as gf:
-        for name in sorted(gf.tensors):
-            h.update(name.encode() + b"\0")
-            h.update(gf.tensor_bytes(name))
-    return h.hexdigest()
 
 
 # -- the adapter --------------------------------------------------------------------

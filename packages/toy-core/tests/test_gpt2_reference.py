@@ -23,7 +23,6 @@ run pays for building them (~10 s per tiny file, more for small124m, which is
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
@@ -41,14 +40,7 @@ LOGIT_TOL = 2e-2  # |llama.cpp - hf| on the recorded first logits (llama.cpp kee
 PROMPTS = ["The capital of France is", "Once upon a time, there was a little", "1, 2, 3, 4, 5,"]
 
 
-@functools.lru_cache(maxsize=4)
-def fields(path):
-    """(every metadata key -> value, the GGUFReader); cached, as the reader
-    takes seconds to parse the 50257-entry vocabulary."""
-    from gguf import GGUFReader
-
-    r = GGUFReader(str(path))
-    return {k: f.contents() for k, f in r.fields.items()}, r
+fields = gpt2_ref.read_gguf  # (metadata, GGUFReader) of a file, cached
 
 
 def expected_tensors(cfg: dict, *, tied: bool = True) -> dict[str, tuple[int, ...]]:

@@ -57,12 +57,12 @@ import numpy as np
 import pytest
 import torch_gpt2
 import torch_llama
+from train_helpers import BoundModel as Base
 from train_helpers import packed_batch
 
-import toy_ggml
 from toy import models
 from toy.errors import BadInputError
-from toy.gguf import GGUFFile, GGUFWriter, bind_tensors
+from toy.gguf import GGUFFile, GGUFWriter
 from toy.models.gpt2 import GPT2Config
 from toy.train import checkpoint
 from toy.train import config as C
@@ -80,13 +80,6 @@ GELU_TABLE_TOL = 3e-3  # against the plain formula; measured up to 1.4e-3
 # the two gradient variants: untied head with GPT-2's eps, tied head with a
 # large eps (so a LayerNorm that ignored the configured eps would show)
 VARIANTS = {"untied": {"tied_output": False, "norm_eps": 1e-5}, "tied": {"tied_output": True, "norm_eps": 1e-2}}
-
-
-@pytest.fixture(scope="module")
-def rt():
-    r = toy_ggml.Runtime("cpu", threads=2)
-    yield r
-    r.close()
 
 
 def tiny_cfg(variant: str = "untied", n_vocab: int = 61, context: int = 16) -> GPT2Config:
@@ -276,24 +269,11 @@ def write_gpt2(path: Path, cfg: GPT2Config, params: dict[str, np.ndarray]) -> Pa
     return path
 
 
-class Base:
-    def __init__(self, path: Path, rt):
-        self.path = path
-        self.gf = GGUFFile(path)
-        self.cfg = GPT2Config.from_gguf(self.gf)
-        self.bound = bind_tensors(self.gf, rt)
-        self.w = {n: np.array(self.gf.tensor_to_float(n), np.float32) for n in self.gf.tensors}
-
-    def close(self):
-        self.bound.close()
-        self.gf.close()
-
-
 @pytest.fixture
 def base(tmp_path, rt):
     cfg = tiny_cfg("untied")
     params = random_params(cfg, 8)
-    b = Base(write_gpt2(tmp_path / "gpt2-base.gguf", cfg, params), rt)
+    b = Base(write_gpt2(tmp_path / "gpt2-base.gguf", cfg, params), rt, GPT2Config.from_gguf)
     # the file's metadata gives back the config (eps is stored as FLOAT32, as llama.cpp reads it)
     assert dataclasses.replace(b.cfg, norm_eps=cfg.norm_eps) == cfg
     assert b.cfg.norm_eps == pytest.approx(cfg.norm_eps, rel=1e-7)

@@ -16,6 +16,7 @@ import json
 
 import numpy as np
 import pytest
+from train_helpers import loss_spans as spans
 
 from toy.gguf import GGUFFile
 from toy.models.common import block_causal_mask
@@ -76,18 +77,6 @@ def one(tmp_path, tok, tpl, row, **kw):
     exs, _ = load_examples(write_jsonl(tmp_path / "one.jsonl", [row]), tok, tpl, max_length=kw.pop("max_length", 4096))
     assert len(exs) == 1
     return exs[0]
-
-
-def spans(tok, ex) -> list[str]:
-    """The decoded runs of consecutive loss tokens."""
-    out, run = [], []
-    for t, flag in zip(ex.tokens.tolist(), ex.loss.tolist()):
-        if flag:
-            run.append(t)
-        elif run:
-            out.append(tok.decode(run))
-            run = []
-    return out + ([tok.decode(run)] if run else [])
 
 
 # -- loss masks, hand tokenizer

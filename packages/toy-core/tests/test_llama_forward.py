@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from tiny_llama import VARIANTS, write_tiny  # registered by the root conftest.py
 
-import toy_ggml as tg
 from toy.errors import ToyError
 from toy.gguf import GGUFFile, GGUFWriter, copy_metadata
 from toy.models.common import causal_mask, padded_length
@@ -22,13 +21,6 @@ from toy.reference import llama_np
 from toy.reference.full import FullModel
 
 FIXTURE = Path(__file__).parent / "fixtures" / "smollm2_generation_llamacpp.json"
-
-
-@pytest.fixture(scope="module")
-def rt():
-    r = tg.Runtime("cpu", threads=2)
-    yield r
-    r.close()
 
 
 @pytest.mark.parametrize("kv_pad", [1, 16])

@@ -18,11 +18,10 @@ import numpy as np
 import pytest
 import torch_llama
 from tiny_llama import VARIANTS, write_tiny
-from train_helpers import assert_grads_close, packed_batch
+from train_helpers import BoundModel as Base
+from train_helpers import assert_grads_close, lora_reference, packed_batch
 
-import toy_ggml
 from toy.errors import BadInputError
-from toy.gguf import GGUFFile, bind_tensors
 from toy.models.llama import LlamaConfig
 from toy.reference.llama_np import load_weights
 from toy.train.engine import TrainEngine
@@ -31,29 +30,9 @@ from toy.train.model import ArchTrain
 from toy.train.optim import OptimConfig
 
 
-@pytest.fixture(scope="module")
-def rt():
-    r = toy_ggml.Runtime("cpu", threads=2)
-    yield r
-    r.close()
-
-
-class Base:
-    def __init__(self, path, rt):
-        self.path = path
-        self.gf = GGUFFile(path)
-        self.cfg = LlamaConfig.from_gguf(self.gf)
-        self.bound = bind_tensors(self.gf, rt)
-        self.w = {k: v.astype(np.float32) for k, v in load_weights(self.gf).items()}
-
-    def close(self):
-        self.bound.close()
-        self.gf.close()
-
-
 @pytest.fixture
 def base(tmp_path, rt):
-    b = Base(write_tiny(tmp_path / "base.gguf", **VARIANTS["gqa_untied"]), rt)
+    b = Base(write_tiny(tmp_path / "base.gguf", **VARIANTS["gqa_untied"]), rt, LlamaConfig.from_gguf)
     yield b
     b.close()
 
@@ -65,20 +44,14 @@ def random_lora(model: LoraTrain, seed: int) -> dict[str, np.ndarray]:
 
 
 def reference(base: Base, model: LoraTrain, lora, batch):
-    s = model.settings.scale
-    eff = dict(base.w)
-    pairs = model.adapter_pairs(lora)
-    for w, (a, b) in pairs.items():
-        eff[w] = (base.w[w].astype(np.float64) + s * b.astype(np.float64) @ a.astype(np.float64)).astype(np.float64)
     n = float(batch.loss_mask.sum())
-    loss, g = torch_llama.loss_and_grads(
-        eff, base.cfg, batch.tokens, batch.pos, batch.doc, batch.targets, batch.loss_mask, n
-    )
-    out = {}
-    for w, (a, b) in pairs.items():
-        out[f"{w}.lora_a"] = s * b.astype(np.float64).T @ g[w]
-        out[f"{w}.lora_b"] = s * g[w] @ a.astype(np.float64).T
-    return loss, out
+
+    def dense(eff):
+        return torch_llama.loss_and_grads(
+            eff, base.cfg, batch.tokens, batch.pos, batch.doc, batch.targets, batch.loss_mask, n
+        )
+
+    return lora_reference(model, lora, base.w, dense)
 
 
 @pytest.mark.parametrize(

@@ -24,9 +24,8 @@ from __future__ import annotations
 import moe_ref
 import numpy as np
 import pytest
-from train_helpers import Batch, assert_grads_close
+from train_helpers import Batch, assert_grads_close, hf_masked_loss_backward, lora_reference
 
-import toy_ggml
 from toy import models
 from toy.engine.llm import LLMEngine
 from toy.gguf import GGUFFile, bind_tensors
@@ -40,13 +39,6 @@ from toy.train.optim import OptimConfig
 SHAPES = ("olmoe-tiny", "qwen2moe-tiny", "qwen3moe-tiny")
 HF_ATOL = 1e-4
 STEP_ATOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def rt():
-    r = toy_ggml.Runtime("cpu", threads=2)
-    yield r
-    r.close()
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -184,14 +176,7 @@ def _hf_grads(shape: str, weights: dict[str, np.ndarray], b: Batch):
         for hf, (g, e) in names.items():
             v = weights[g] if e is None else weights[g][e]
             params[hf].copy_(torch.from_numpy(np.asarray(v, np.float64).reshape(params[hf].shape)))
-    model.eval()
-    logits = model(torch.tensor(b.tokens, dtype=torch.long), use_cache=False).logits
-    nll = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), torch.tensor(b.targets.reshape(-1), dtype=torch.long), reduction="none"
-    )
-    keep = torch.tensor(b.loss_mask.reshape(-1), dtype=torch.float64)
-    loss = (nll * keep).sum() / keep.sum()
-    loss.backward()
+    loss = hf_masked_loss_backward(model, b)
     grads: dict[str, np.ndarray] = {}
     for hf, (g, e) in names.items():
         gr = params[hf].grad
@@ -200,24 +185,7 @@ def _hf_grads(shape: str, weights: dict[str, np.ndarray], b: Batch):
             grads[g] = gr.reshape(weights[g].shape).copy()
         else:
             grads.setdefault(g, np.zeros(weights[g].shape))[e] = gr
-    return float(loss.detach()), grads
-
-
-_LAYER = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate": "ffn_gate_inp",
-    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
-    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
-    "mlp.shared_expert.up_proj": "ffn_up_shexp",
-    "mlp.shared_expert.down_proj": "ffn_down_shexp",
-}
+    return loss, grads
 
 
 def _gguf_of(model, n_layer: int) -> dict[str, tuple[str, int | None]]:
@@ -237,7 +205,7 @@ def _gguf_of(model, n_layer: int) -> dict[str, tuple[str, int | None]]:
                 _, _, e, proj = module.split(".")
                 out[name] = (f"blk.{i}.ffn_{proj.split('_')[0]}_exps.weight", int(e))
             else:
-                out[name] = (f"blk.{i}.{_LAYER[module]}.{kind}", None)
+                out[name] = (f"blk.{i}.{moe_ref.GGUF_LAYER_NAMES[module]}.{kind}", None)
     return out
 
 
@@ -277,15 +245,6 @@ def test_lora_gradients_on_attention_and_router_equal_hf_autograd(rt, shape):
         bound.close()
     finally:
         gf.close()
-    s = model.settings.scale
-    eff = dict(w)
-    pairs = model.adapter_pairs(lora)
-    for name, (a, bb) in pairs.items():
-        eff[name] = w[name].astype(np.float64) + s * bb.astype(np.float64) @ a.astype(np.float64)
-    ref_loss, g = _hf_grads(shape, eff, b)
-    ref = {}
-    for name, (a, bb) in pairs.items():
-        ref[f"{name}.lora_a"] = s * bb.astype(np.float64).T @ g[name]
-        ref[f"{name}.lora_b"] = s * g[name] @ a.astype(np.float64).T
+    ref_loss, ref = lora_reference(model, lora, w, lambda eff: _hf_grads(shape, eff, b))
     assert loss == pytest.approx(ref_loss, rel=1e-5)
     assert_grads_close(grads, ref)

@@ -12,7 +12,8 @@ flash_attn=False, type_k=type_v=F16)``: the F16 KV cache and no flash
 attention, toy's defaults. This module holds the recipes the recorder
 imports (``PROMPTS``, ``MODELS``, ``KQUANT``, ``LORA``, ``make_adapter``,
 ``toy_tokens``, ``tensor_digests``), so the tests re-create the same files
-and check them by sha256 before comparing.
+and check them by sha256 before comparing (the comparison itself is
+``llamacpp_parity``'s, shared with test_gemma_llamacpp.py).
 
 - ``models``: ``moe_ref``'s seeded random HF models (8 experts, top-2)
   converted by llama.cpp's ``convert_hf_to_gguf.py``: olmoe-tiny,
@@ -105,17 +106,16 @@ an F32 cache instead.
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
+import llamacpp_parity as parity
 import moe_ref
 import numpy as np
 import pytest
-from train_helpers import seeded_adapter
+from llamacpp_parity import sha256_file
 
 HERE = Path(__file__).resolve().parent
 FIXTURE = HERE / "fixtures" / "moe_llamacpp.json"
-FIX = json.loads(FIXTURE.read_text()) if FIXTURE.is_file() else None
 LOGIT_ATOL = 1e-5  # |toy - llama.cpp|, logits within ±4.5 (tiny) and ±8.8 (-k); measured <= 1.5e-6 (haswell)
 THREADS = 1
 N_GEN = 24
@@ -157,23 +157,15 @@ LORA = {
     "qwen3moe-tiny": {"seed": 20251211, "rank": 4, "alpha": 8.0, "targets": LORA_TARGETS, "std": 0.1},
 }
 
-
-def lora_base(shape: str) -> Path:
-    return moe_ref.gguf_path(shape, 0, "f32")
-
-
-def make_adapter(shape: str, out_path) -> Path:
-    """The fixture's adapter for ``shape`` (``seeded_adapter`` with ``LORA[shape]``;
-    ``toy.lora.base`` is the base file's name, fixed whatever its folder)."""
-    base = lora_base(shape)
-    return seeded_adapter(base, out_path, base_name=base.name, **LORA[shape])
+REC = parity.Recorded(
+    FIXTURE, moe_ref, "record_moe_llamacpp.py", lora=LORA, n_gen=N_GEN, threads=THREADS, atol=LOGIT_ATOL
+)
+FIX = REC.fix
+# the recipes and toy's side, as the recorder imports them
+lora_base, make_adapter, toy_tokens = REC.lora_base, REC.make_adapter, REC.toy_tokens
 
 
 # -- shared ---------------------------------------------------------------------------
-
-
-def sha256_file(path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def tensor_digests(path) -> dict[str, dict]:
@@ -211,56 +203,6 @@ def digest_differences(got: dict[str, dict], want: dict[str, dict]) -> list[str]
     return out
 
 
-def toy_tokens(model_path, prompts, lora=None, n_gen: int = N_GEN) -> dict:
-    """toy's prompt ids (its tokenizer: no BOS for these files), greedy tokens
-    (``generate``), the prompt's last-position logits (``logits``: every
-    row's head computed, as llama.cpp's ``logits_all``) and the chosen
-    token's logit at each greedy step through the decode path ``generate``
-    takes (the engine's prefill of the prompt, then one-token decodes), all
-    with toy's defaults: F16 KV cache, no flash attention."""
-    import toy
-
-    out = {"prompt_ids": [], "greedy": [], "last_prompt_logits": [], "greedy_logits": []}
-    with toy.load(model_path, threads=THREADS, lora=lora, n_ctx=256, kv_type="f16", flash_attn=False) as m:
-        for p in prompts:
-            ids = m.tokenize(p)
-            g = m.generate(ids, max_tokens=n_gen, temperature=0, ignore_eos=True).tokens
-            last = np.asarray(m.logits(ids)[-1], np.float32)
-            eng = m.engine
-            eng.cache.clear(0)
-            try:
-                rows = [eng.prefill(0, ids)] + [eng.decode([0], [t])[0] for t in g[:-1]]
-            finally:
-                eng.cache.clear(0)
-            assert [int(np.argmax(r)) for r in rows] == list(g)  # the same path as generate
-            out["prompt_ids"].append(list(ids))
-            out["greedy"].append(list(g))
-            out["last_prompt_logits"].append(last)
-            out["greedy_logits"].append(np.array([r[t] for r, t in zip(rows, g)], np.float32))
-    return out
-
-
-def logit_diffs(got: dict, prompts: list[dict]) -> tuple[float, float]:
-    """max |toy - llama.cpp| over the prompts: (last-position heads, greedy
-    steps), in float32 (the fixture's decimals round-trip float32 values)."""
-    head = step = 0.0
-    for i, p in enumerate(prompts):
-        want = np.asarray(p["last_logits_head"], np.float32)
-        head = max(head, float(np.abs(got["last_prompt_logits"][i][: len(want)] - want).max()))
-        step = max(step, float(np.abs(got["greedy_logits"][i] - np.asarray(p["greedy_logits"], np.float32)).max()))
-    return head, step
-
-
-def assert_like_llamacpp(got: dict, prompts: list[dict], what: str) -> None:
-    """toy's ``toy_tokens`` against a fixture's per-prompt records."""
-    for i, p in enumerate(prompts):
-        assert got["prompt_ids"][i] == p["ids"], f"{what} {p['text']!r}: prompt ids"
-        assert got["greedy"][i] == p["greedy"], f"{what} {p['text']!r}: greedy tokens"
-    head, step = logit_diffs(got, prompts)
-    assert head <= LOGIT_ATOL, f"{what}: last-position logits differ from llama.cpp's by {head:.3g}"
-    assert step <= LOGIT_ATOL, f"{what}: greedy-step logits differ from llama.cpp's by {step:.3g}"
-
-
 def swapped_experts(src, dst, a: int = 2, b: int = 5) -> Path:
     """``src`` with experts ``a`` and ``b`` exchanged in every layer's
     ``ffn_{gate,up,down}_exps`` (routers unchanged), by toy's GGUF writer. On
@@ -282,34 +224,11 @@ def swapped_experts(src, dst, a: int = 2, b: int = 5) -> Path:
     return dst
 
 
-needs_fixture = pytest.mark.skipif(FIX is None, reason=f"{FIXTURE.name} not recorded yet")
-
-
-def _id(r: dict) -> str:
-    return f"{r['shape']}-seed{r['seed']}-{r['outtype']}"
-
-
-def _model_params():
-    return [pytest.param(m, id=_id(m["recipe"])) for m in FIX["models"]] if FIX else []
+needs_fixture = REC.needed
 
 
 def _kquant_params():
-    return [pytest.param(k, id=k["shape"]) for k in FIX["kquant"]] if FIX else []
-
-
-def _lora_params():
-    return [pytest.param(lo, id=lo["base"]["recipe"]["shape"]) for lo in FIX["lora"]] if FIX else []
-
-
-def _model_file(rec: dict) -> Path:
-    r = rec["recipe"]
-    assert r == moe_ref.recipe(r["shape"], r["seed"], r["outtype"])
-    path = moe_ref.gguf_path(r["shape"], r["seed"], r["outtype"])
-    assert sha256_file(path) == rec["sha256"], (
-        f"the regenerated {path.name} differs from the recorded one (torch, transformers, the converter or "
-        "moe_ref changed?): re-record with tools/fixtures/record_moe_llamacpp.py"
-    )
-    return path
+    return REC.params("kquant", lambda k: k["shape"])
 
 
 def _tied_record() -> dict:
@@ -356,13 +275,13 @@ def test_llamacpps_kquant_mix_has_k_quant_experts():
 
 
 @needs_fixture
-@pytest.mark.parametrize("rec", _model_params())
+@pytest.mark.parametrize("rec", REC.model_params())
 def test_prompt_ids_equal_llamacpp(rec):
     """toy's tokenizer gives HF's ids without a BOS, which are llama.cpp's
     (checked when recording)."""
     import toy
 
-    with toy.load(_model_file(rec), threads=THREADS, n_ctx=64) as m:
+    with toy.load(REC.model_file(rec), threads=THREADS, n_ctx=64) as m:
         assert m.tokenizer.bos_id == BOS
         for p in rec["prompts"]:
             assert m.tokenize(p["text"]) == p["ids"], p["text"]
@@ -371,11 +290,9 @@ def test_prompt_ids_equal_llamacpp(rec):
 
 @needs_fixture
 @pytest.mark.avx2_reference
-@pytest.mark.parametrize("rec", _model_params())
+@pytest.mark.parametrize("rec", REC.model_params())
 def test_greedy_tokens_equal_llamacpp(rec):
-    path = _model_file(rec)
-    got = toy_tokens(path, [p["text"] for p in rec["prompts"]])
-    assert_like_llamacpp(got, rec["prompts"], _id(rec["recipe"]))
+    REC.assert_model_like_llamacpp(rec)
 
 
 @needs_fixture
@@ -387,7 +304,7 @@ def test_the_tied_pairs_other_choice_gives_other_tokens(tmp_path):
     ``test_greedy_tokens_equal_llamacpp[qwen3moe-tied-router...]`` shows toy
     picks llama.cpp's experts on exact ties."""
     rec = _tied_record()
-    other = toy_tokens(swapped_experts(_model_file(rec), tmp_path / "swapped.gguf"), PROMPTS)
+    other = toy_tokens(swapped_experts(REC.model_file(rec), tmp_path / "swapped.gguf"), PROMPTS)
     differ = [o != p["greedy"] for o, p in zip(other["greedy"], rec["prompts"])]
     assert any(differ), "exchanging the tied experts changes no greedy token: the tie test decides nothing"
 
@@ -435,19 +352,16 @@ def test_kquant_greedy_tokens_equal_llamacpp(k):
     general.file_type)."""
     path = _toy_kquant_file(k)
     got = toy_tokens(path, [p["text"] for p in k["prompts"]])
-    assert_like_llamacpp(got, k["prompts"], f"{k['shape']}/Q4_K_M")
+    REC.assert_like_llamacpp(got, k["prompts"], f"{k['shape']}/Q4_K_M")
 
 
 @needs_fixture
-@pytest.mark.parametrize("lo", _lora_params())
+@pytest.mark.parametrize("lo", REC.lora_params())
 def test_adapter_is_the_recorded_file(lo, tmp_path):
     from toy.train.adapter import load_adapter
 
     shape = lo["base"]["recipe"]["shape"]
-    assert lo["base"]["recipe"] == moe_ref.recipe(shape, 0, "f32")
-    assert sha256_file(lora_base(shape)) == lo["base"]["sha256"]
-    path = make_adapter(shape, tmp_path / "lora.gguf")
-    assert sha256_file(path) == lo["adapter"]["sha256"]  # numpy's stream and toy's writer: the same bytes
+    _, path = REC.lora_files(lo, tmp_path)  # the recorded recipe, base and adapter bytes
     ad = load_adapter(path)
     n_layer = moe_ref.SHAPES[shape]["num_hidden_layers"]
     assert ad.architecture == moe_ref.SHAPES[shape]["arch"] and ad.rank == 4
@@ -458,12 +372,6 @@ def test_adapter_is_the_recorded_file(lo, tmp_path):
 
 @needs_fixture
 @pytest.mark.avx2_reference
-@pytest.mark.parametrize("lo", _lora_params())
+@pytest.mark.parametrize("lo", REC.lora_params())
 def test_lora_greedy_tokens_equal_llamacpp(lo, tmp_path):
-    shape = lo["base"]["recipe"]["shape"]
-    base = lora_base(shape)
-    assert sha256_file(base) == lo["base"]["sha256"]
-    path = make_adapter(shape, tmp_path / "lora.gguf")
-    assert sha256_file(path) == lo["adapter"]["sha256"]
-    got = toy_tokens(base, [p["text"] for p in lo["prompts"]], lora=[(path, lo["adapter"]["lora_scale"])])
-    assert_like_llamacpp(got, lo["prompts"], f"{shape} + adapter")
+    REC.assert_lora_like_llamacpp(lo, tmp_path)

@@ -38,44 +38,28 @@ Where each expectation comes from:
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
-import math
 from pathlib import Path
 
 import moe_ref
 import numpy as np
 import pytest
+import train_helpers as th
+from gpt2_ref import sha256 as sha
+from train_helpers import assert_full_checkpoints, events
 
 import toy
 from toy import models
 from toy.gguf import GGUFFile
 from toy.train.adapter import load_adapter
-from toy.train.config import ConfigError, defaults, override
-from toy.train.loop import Hooks, resume, train
+from toy.train.config import ConfigError
+from toy.train.loop import train
 
 CONTEXT = 48
 # adapter applied vs merged weights, relative to the largest |logit|: float32 rounding
 # (measured 3.6e-7 qwen2moe-tiny, 9.4e-7 olmoe-tiny)
 TOL = 1e-5
-WORDS = "alpha beta gamma delta river stone cloud light green small".split()
 LORA_TARGETS = ["q", "k", "v", "o", "router"]
 LORA_STEMS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp")
-# keys a checkpoint writes itself: what it holds (F32), which run and step
-OWN_KEYS = {"general.file_type", "toy.train.run_id", "toy.train.step"}
-
-
-def sha(p: Path) -> str:
-    return hashlib.sha256(Path(p).read_bytes()).hexdigest()
-
-
-def events(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
-
-
-def step_losses(run_dir: Path) -> dict[int, float]:
-    return {e["step"]: e["loss"] for e in events(run_dir) if e["kind"] == "step"}
 
 
 def base_path(shape: str, outtype: str = "f32") -> Path:
@@ -89,86 +73,16 @@ def sample_ids(n: int = 24) -> list[int]:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     """48 examples, 24 text and 24 prompt/completion, each fitting a row."""
-    d = tmp_path_factory.mktemp("moe-data")
-    rng = np.random.default_rng(0)
-    rows = []
-    for i in range(48):
-        a, b = (str(w) for w in rng.choice(WORDS, size=2))
-        if i % 2 == 0:
-            rows.append({"text": f"The {a} and the {b} met by the {a}."})
-        else:
-            rows.append({"prompt": f"say {a} twice:", "completion": f" {a} {a}."})
-    path = d / "data.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return th.write_examples(tmp_path_factory.mktemp("moe-data") / "data.jsonl", 48, ("text", "prompt_completion"))
 
 
 def cfg_for(base: Path, recipe: str, data: Path, out: Path, steps: int, **kw):
-    values = {
-        "base": str(base),
-        "data.paths": [str(data)],
-        "steps": steps,
-        "batch_size": 2,
-        "context": CONTEXT,
-        "eval_every": 2,
-        "save_every": 3,
-        "keep_checkpoints": 0,
-        "sample_tokens": 4,
-        "out": str(out),
-        "threads": 1,
-        "seed": 3,
-    }
-    values.update(kw)
-    return override(defaults(recipe), **values)
+    return th.recipe_config(recipe, base, data, out, steps, CONTEXT, **kw)
 
 
-class StopAt:
-    def __init__(self, step: int):
-        self.step, self.seen = step, 0
-
-    def progress(self, ev):
-        self.seen = ev["step"]
-
-    def should_stop(self):
-        return self.seen >= self.step
-
-
-def run_and_resume(cfg, tmp: Path, stop: int):
-    """The run straight through, and the same run stopped after ``stop`` steps and resumed."""
-    straight = train(cfg)
-    assert straight.reason == "completed" and straight.final_step == cfg.steps
-    s = StopAt(stop)
-    part = train(dataclasses.replace(cfg, out=str(tmp / "cut")), Hooks(progress=s.progress, should_stop=s.should_stop))
-    assert part.reason == "interrupted" and part.final_step == stop
-    done = resume(part.run_dir)
-    assert done.reason == "completed" and done.final_step == cfg.steps
-    return straight, done
-
-
-def assert_same_state(a: Path, b: Path) -> None:
-    """The training state saved beside two checkpoints (AdamW moments), tensor for tensor, bit for bit."""
-    sa, sb = (p.with_name(p.name.replace(".gguf", ".state.gguf")) for p in (a, b))
-    with GGUFFile(sa) as fa, GGUFFile(sb) as fb:
-        assert fa.tensors and set(fa.tensors) == set(fb.tensors)
-        for n in fa.tensors:
-            assert fa.tensor_to_float(n).tobytes() == fb.tensor_to_float(n).tobytes(), n
-
-
-def assert_run_bundle(run_dir: Path, recipe: str, arch: str, steps: int) -> None:
-    """run_start .. run_end, finite losses, evals, samples, checkpoints, the data line."""
-    ev = events(run_dir)
-    assert ev[0]["kind"] == "run_start" and ev[-1]["kind"] == "run_end" and ev[-1]["reason"] == "completed"
-    start = ev[0]
-    assert start["recipe"] == recipe and start["model"]["architecture"] == arch
-    assert start["data"]["kinds"] == {"text": 24, "prompt_completion": 24}
-    assert {e["kind"] for e in ev} >= {"step", "eval", "sample", "checkpoint", "run_end"}
-    losses = step_losses(run_dir)
-    assert sorted(losses) == list(range(1, steps + 1))
-    assert all(isinstance(v, float) and math.isfinite(v) for v in losses.values()), losses
-    evals = [e for e in ev if e["kind"] == "eval"]
-    assert evals[0]["step"] == 0 and all(math.isfinite(e["loss"]) for e in evals)  # the base's loss first
-    (note,) = [e["text"] for e in ev if e["kind"] == "note" and e["text"].startswith("data:")]
-    assert "0 truncated, 0 dropped" in note, note
+def resumed(cfg, tmp: Path, stop: int):
+    """``train_helpers.resumed_run`` on this module's data: (straight, resumed, the base's config)."""
+    return th.resumed_run(cfg, tmp, stop, {"text": 24, "prompt_completion": 24})
 
 
 def logits_of(path: Path, ids, lora=None) -> np.ndarray:
@@ -186,14 +100,10 @@ def test_lora_run_resumes_exactly_and_its_adapter_loads(shape, data, tmp_path):
     cfg = cfg_for(
         base, "lora", data, tmp_path / "a", 6, **{"lora.targets": LORA_TARGETS, "lora.rank": 4, "optim.lr": 1e-2}
     )
-    straight, done = run_and_resume(cfg, tmp_path, 2)
-    with GGUFFile(base) as gf:
-        mcfg = models.config_from_gguf(gf)
+    straight, done, mcfg = resumed(cfg, tmp_path, 2)
     assert mcfg.n_expert == 8 and mcfg.architecture == moe_ref.SHAPES[shape]["arch"]
-    assert_run_bundle(straight.run_dir, "lora", mcfg.architecture, 6)
     start = events(straight.run_dir)[0]
     assert start["lora"]["targets"] == LORA_TARGETS and start["base"]["weight_types"] == ["F32"]
-    assert step_losses(straight.run_dir) == step_losses(done.run_dir)
     assert straight.checkpoint.name == done.checkpoint.name == "step_6.gguf"
 
     ad, bd = load_adapter(straight.checkpoint), load_adapter(done.checkpoint)
@@ -203,7 +113,6 @@ def test_lora_run_resumes_exactly_and_its_adapter_loads(shape, data, tmp_path):
     for k in ad.pairs:
         for x, y in zip(ad.pairs[k], bd.pairs[k]):
             assert x.tobytes() == y.tobytes(), k
-    assert_same_state(straight.checkpoint, done.checkpoint)
     a, b = ad.pairs["blk.0.ffn_gate_inp.weight"]
     assert a.shape == (4, mcfg.d_model) and b.shape == (8, 4)  # the router: d_model -> 8 experts
     for i in range(mcfg.n_layer):  # B moved off zero, the router's too
@@ -274,21 +183,15 @@ def test_full_fine_tune_trains_the_experts_resumes_exactly_and_keeps_the_moe_key
     before = sha(base)
     # no weight decay: a tensor that moves, moved by its gradient
     cfg = cfg_for(base, "full", data, tmp_path / "f", 5, **{"optim.lr": 1e-3, "optim.weight_decay": 0.0})
-    straight, done = run_and_resume(cfg, tmp_path, 3)
-    with GGUFFile(base) as gf:
-        bcfg = models.config_from_gguf(gf)
+    straight, done, bcfg = resumed(cfg, tmp_path, 3)
     arch = bcfg.architecture
     assert arch == "qwen3moe" and bcfg.expert_weights_norm
-    assert_run_bundle(straight.run_dir, "full", arch, 5)
-    assert step_losses(straight.run_dir) == step_losses(done.run_dir)
-    assert_same_state(straight.checkpoint, done.checkpoint)
     assert sha(base) == before
 
     with GGUFFile(straight.checkpoint) as a, GGUFFile(done.checkpoint) as b, GGUFFile(base) as gf:
-        # the weights: the resumed run's equal the straight run's; every base tensor, trained
-        assert set(a.tensors) == set(b.tensors) == set(gf.tensors)
-        for n in a.tensors:
-            assert a.tensor_to_float(n).tobytes() == b.tensor_to_float(n).tobytes(), n
+        # the weights: the resumed run's equal the straight run's; every base tensor, trained; the metadata:
+        # the base's, key for key and type for type (the expert layout, the tokenizer)
+        assert_full_checkpoints(a, b, gf, arch, 5)
         for i in range(bcfg.n_layer):
             p = f"blk.{i}"
             router = a.tensor_to_float(f"{p}.ffn_gate_inp.weight"), gf.tensor_to_float(f"{p}.ffn_gate_inp.weight")
@@ -299,15 +202,6 @@ def test_full_fine_tune_trains_the_experts_resumes_exactly_and_keeps_the_moe_key
                 assert got.shape == was.shape == ((8, 32, 64) if which != "down" else (8, 64, 32))
                 moved = [not np.array_equal(got[e], was[e]) for e in range(8)]
                 assert all(moved), f"{n}: experts moved {moved}"
-        # the metadata: the base's, key for key and type for type (the expert layout, the tokenizer)
-        assert a.metadata["general.architecture"] == arch and a.metadata["general.file_type"] == 0
-        assert a.metadata["toy.train.step"] == 5
-        for k, v in gf.metadata.items():
-            if k in OWN_KEYS:
-                continue
-            assert k in a.metadata, k
-            assert a.types[k] == gf.types[k], k
-            assert list(np.atleast_1d(a.metadata[k])) == list(np.atleast_1d(v)), k
         hf = moe_ref.SHAPES[shape]
         assert a.metadata[f"{arch}.expert_count"] == hf["num_experts"] == 8
         assert a.metadata[f"{arch}.expert_used_count"] == hf["num_experts_per_tok"] == 2

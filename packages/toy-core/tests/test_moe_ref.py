@@ -28,37 +28,18 @@ from __future__ import annotations
 import functools
 import json
 
+import gpt2_ref
+import moe_ref
 import numpy as np
 import pytest
-
-try:
-    import moe_ref
-except ModuleNotFoundError:  # until the root conftest.py registers it
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    _spec = importlib.util.spec_from_file_location("moe_ref", Path(__file__).with_name("moe_ref.py"))
-    moe_ref = importlib.util.module_from_spec(_spec)
-    sys.modules["moe_ref"] = moe_ref
-    _spec.loader.exec_module(moe_ref)
 
 SHAPES = sorted(moe_ref.SHAPES)
 N_GEN = 16
 PROMPT_IDS = moe_ref.sample_ids(8, seed=1)
 
 
-@functools.lru_cache(maxsize=16)
-def fields(path):
-    """(every metadata key -> value, the GGUFReader) of a GGUF file."""
-    from gguf import GGUFReader
-
-    r = GGUFReader(str(path))
-    return {k: f.contents() for k, f in r.fields.items()}, r
-
-
-def tensors(path) -> dict:
-    return {t.name: t for t in fields(path)[1].tensors}
+# (metadata, GGUFReader) of a converted file (cached), and its tensors by name
+fields, tensors = gpt2_ref.read_gguf, gpt2_ref.gguf_tensors
 
 
 def ne(t) -> list[int]:

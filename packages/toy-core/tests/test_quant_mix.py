@@ -56,6 +56,7 @@ import json
 from pathlib import Path
 
 import pytest
+from llamacpp_parity import sha256_file as sha256
 
 HERE = Path(__file__).resolve().parent
 FIXTURE = HERE / "fixtures" / "quant_mix_llamacpp.json"
@@ -129,14 +130,6 @@ def make_input(name: str, work: Path, smollm2: Path | None = None) -> Path:
         quantize_model(smollm2, out, "F32")
         return out
     raise ValueError(f"unknown helper {helper!r}")
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def digest(data) -> str:

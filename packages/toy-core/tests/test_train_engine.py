@@ -24,7 +24,6 @@ import torch_llama
 from tiny_llama import VARIANTS, write_tiny
 from train_helpers import Batch, assert_grads_close, packed_batch
 
-import toy_ggml
 from toy.gguf import GGUFFile
 from toy.models.llama import LlamaConfig
 from toy.reference.llama_np import load_weights
@@ -42,13 +41,6 @@ def load_tiny(tmp_path, variant: str):
         w = {k: v.astype(np.float32) for k, v in load_weights(gf).items()}
     # the engine trains exactly the tensors of param_shapes
     return cfg, w
-
-
-@pytest.fixture(scope="module")
-def rt():
-    r = toy_ggml.Runtime("cpu", threads=2)
-    yield r
-    r.close()
 
 
 @pytest.mark.parametrize("variant", GRAD_VARIANTS)

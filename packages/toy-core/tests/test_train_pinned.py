@@ -20,12 +20,12 @@ how) plus llama.cpp's greedy tokens on the 300-step checkpoint, recorded by
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from llamacpp_parity import weights_sha256  # as tools/fixtures/record_train.py computes it
 
 import toy_ggml
 from toy.train import config as C
@@ -37,20 +37,6 @@ FIX = json.loads((Path(__file__).parent / "fixtures" / "train_runs.json").read_t
 # `just test` on AVX-512 ones: these tests are avx2_reference), whose features this compares
 SAME_CPU = sorted(k for k, v in toy_ggml.cpu_features().items() if v) == FIX["cpu_features"]
 pytestmark = pytest.mark.avx2_reference
-
-
-def weights_sha256(path: Path) -> str:
-    """sha256 over a GGUF's tensors (name, then bytes, in name order), as
-    tools/fixtures/record_train.py computes it: the weights without the
-    metadata (which names the run)."""
-    from toy.gguf import GGUFFile
-
-    h = hashlib.sha256()
-    with GGUFFile(path) as gf:
-        for name in sorted(gf.tensors):
-            h.update(name.encode() + b"\0")
-            h.update(gf.tensor_bytes(name))
-    return h.hexdigest()
 
 
 @pytest.fixture(scope="module")

@@ -11,28 +11,21 @@ donor's.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+import train_helpers as th
+from gpt2_ref import sha256 as sha
+from train_helpers import RECIPE_WORDS as WORDS
+from train_helpers import StopAt, events, run_and_resume, step_losses
 
 from toy.errors import BadInputError
 from toy.gguf import GGUFFile, quantize_model
 from toy.train.adapter import load_adapter
 from toy.train.config import defaults, override
 from toy.train.loop import Hooks, resume, train
-
-WORDS = "alpha beta gamma delta river stone cloud light green small".split()
-
-
-def sha(p: Path) -> str:
-    return hashlib.sha256(Path(p).read_bytes()).hexdigest()
-
-
-def events(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -64,48 +57,9 @@ def bases(tmp_path_factory):
 
 
 def cfg_for(bases, recipe: str, out: Path, steps: int, **kw):
-    values = {
-        "base": str(bases[kw.pop("base", "f32")]),
-        "data.paths": [str(bases["data"] if recipe != "warm-start" else bases["corpus"])],
-        "steps": steps,
-        "batch_size": 2,
-        "context": 32,
-        "eval_every": 2,
-        "save_every": 3,
-        "keep_checkpoints": 0,
-        "sample_tokens": 4,
-        "out": str(out),
-        "threads": 1,
-        "seed": 3,
-    }
-    values.update(kw)
-    return override(defaults(recipe), **values)
-
-
-class StopAt:
-    def __init__(self, step: int):
-        self.step, self.seen = step, 0
-
-    def progress(self, ev):
-        self.seen = ev["step"]
-
-    def should_stop(self):
-        return self.seen >= self.step
-
-
-def run_and_resume(cfg, tmp: Path, stop: int):
-    straight = train(cfg)
-    cut_cfg = cfg.__class__(**{**cfg.__dict__, "out": str(tmp / "cut")})
-    s = StopAt(stop)
-    part = train(cut_cfg, Hooks(progress=s.progress, should_stop=s.should_stop))
-    assert part.reason == "interrupted" and part.final_step == stop
-    done = resume(part.run_dir)
-    assert done.reason == "completed" and done.final_step == cfg.steps
-    return straight, done
-
-
-def step_losses(run_dir: Path) -> dict[int, float]:
-    return {e["step"]: e["loss"] for e in events(run_dir) if e["kind"] == "step"}
+    base = bases[kw.pop("base", "f32")]
+    data = bases["data"] if recipe != "warm-start" else bases["corpus"]
+    return th.recipe_config(recipe, base, data, out, steps, 32, **kw)
 
 
 @pytest.mark.parametrize("which", ["f32", "q8"])

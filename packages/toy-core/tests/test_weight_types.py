@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import toy_test_models as mp  # registered by the root conftest.py
 
-import toy_ggml as tg
 from toy.engine.llm import LLMEngine
 from toy.gguf import GGUFFile
 from toy.gguf.convert import parse_target, quantize_model
@@ -48,13 +47,6 @@ TOLERANCE = {
     "Q5_K": Q,
     "Q6_K": Q,
 }
-
-
-@pytest.fixture(scope="module")
-def rt():
-    r = tg.Runtime("cpu", threads=2)
-    yield r
-    r.close()
 
 
 @pytest.fixture(scope="module")
