@@ -59,3 +59,39 @@ def index_strings(const unsigned char[::1] buf, Py_ssize_t pos, uint64_t count):
         b[i, 1] = pos - start + <Py_ssize_t>ln
         pos += <Py_ssize_t>ln
     return bounds, pos
+
+
+def scan_pairs(const unsigned char[::1] buf, Py_ssize_t pos, uint64_t count):
+    """Decode ``count`` GGUF strings like scan_strings, each split in two at
+    its first space after the first byte (llama.cpp's reading of
+    ``tokenizer.ggml.merges``: "left right"). Returns (list of (left, right)
+    str tuples, end position); a string without such a space is
+    ScanError(index, "no space")."""
+    cdef Py_ssize_t end = buf.shape[0]
+    cdef Py_ssize_t j, cut
+    cdef uint64_t i, ln
+    cdef list out = []
+    cdef const char * s
+    if count > <uint64_t>((end - pos) // 8 if end > pos else 0):
+        raise ScanError(0, f"{count} strings cannot fit in {end - pos} bytes")
+    for i in range(count):
+        if pos + 8 > end:
+            raise ScanError(i, "truncated length")
+        memcpy(&ln, &buf[pos], 8)
+        pos += 8
+        if ln > <uint64_t>(end - pos):
+            raise ScanError(i, f"length {ln} exceeds the {end - pos} bytes left")
+        s = <const char *>&buf[pos]
+        cut = -1
+        for j in range(1, <Py_ssize_t>ln):
+            if s[j] == 32:
+                cut = j
+                break
+        if cut < 0:
+            raise ScanError(i, "no space")
+        try:
+            out.append((s[:cut].decode("utf-8"), s[cut + 1:ln].decode("utf-8")))
+        except UnicodeDecodeError as e:
+            raise ScanError(i, f"not valid UTF-8 ({e.reason})") from None
+        pos += <Py_ssize_t>ln
+    return out, pos

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 import toy_ggml
-from toy._native.gguf_scan import ScanError, index_strings, scan_strings
+from toy._native.gguf_scan import ScanError, index_strings, scan_pairs, scan_strings
 from toy.errors import ToyError
 from toy.gguf.constants import (
     DEFAULT_ALIGNMENT,
@@ -86,6 +86,16 @@ class StringArray(Sequence):
         """Every string, decoded in one native pass (``list(self)`` decodes
         them one Python call at a time, ~3x slower for a vocabulary)."""
         return scan_strings(self._raw, 0, len(self))[0]
+
+    def pairs(self) -> list[tuple[str, str]] | int:
+        """Every string split at its first space after the first character,
+        as ``(left, right)``, in one native pass (how llama.cpp reads
+        ``tokenizer.ggml.merges``); the index of the first string without
+        such a space instead, when there is one."""
+        try:
+            return scan_pairs(self._raw, 0, len(self))[0]
+        except ScanError as e:
+            return e.args[0]
 
     def __repr__(self) -> str:
         return f"StringArray({len(self)} strings)"

@@ -36,9 +36,11 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 from tokenizers import AddedToken, decoders, models, normalizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from toy._native.pieces import build_pieces as native_pieces
 from toy.tokenizer.vocab import (
     ATTR_BYTE,
     ATTR_CONTROL,
@@ -75,6 +77,13 @@ for _b in range(256):
     _UNICODE_TO_LATIN1.setdefault(_b, "\uffff")
 
 
+# code point -> byte for the alphabet's characters, -1 for every other one (the last entry
+# stands for all code points past the table)
+_ALPHABET_BYTE = np.full(max(map(ord, _BYTE_TO_UNICODE.values())) + 2, -1, np.int16)
+for _b, _c in _BYTE_TO_UNICODE.items():
+    _ALPHABET_BYTE[ord(_c)] = _b
+
+
 def _gpt2_decode(text: str) -> bytes:
     try:
         return text.translate(_UNICODE_TO_LATIN1).encode("latin-1")
@@ -90,30 +99,36 @@ def _gpt2_decode(text: str) -> bytes:
     return bytes(out)
 
 
+def _spm_piece(text: str) -> bytes:
+    return text.replace(SPM_SPACE, " ").encode("utf-8")
+
+
+def _byte_piece(text: str) -> bytes:
+    m = _BYTE_TOKEN.fullmatch(text)
+    return bytes([int(m.group(1), 16)]) if m else text.encode("utf-8")
+
+
 def build_pieces(vocab: Vocab) -> tuple[list[bytes], list[bytes]]:
     """(pieces with special tokens rendered, pieces with control/unknown tokens
-    empty), indexed by token id."""
-    rendered: list[bytes] = []
-    plain: list[bytes] = []
-    spm = vocab.model == "llama"
-    for text, attr in zip(vocab.tokens, vocab.attrs):
-        if attr & (ATTR_CONTROL | ATTR_UNKNOWN):
-            piece = text.encode("utf-8")
-            rendered.append(piece)
-            plain.append(b"")
-            continue
-        if attr & ATTR_USER_DEFINED:
-            piece = text.encode("utf-8")
-        elif attr & ATTR_NORMAL:
-            piece = text.replace(SPM_SPACE, " ").encode("utf-8") if spm else _gpt2_decode(text)
-        elif attr & ATTR_BYTE:
-            m = _BYTE_TOKEN.fullmatch(text)
-            piece = bytes([int(m.group(1), 16)]) if m else text.encode("utf-8")
-        else:  # unused / undefined: llama.cpp renders nothing
-            piece = b""
-        rendered.append(piece)
-        plain.append(piece)
-    return rendered, plain
+    empty), indexed by token id. Control and unknown tokens render as their
+    text; user-defined ones as their text; normal ones through the model's
+    alphabet (byte-level: each character one byte; SentencePiece: ``▁`` is a
+    space); byte tokens ``<0xAB>`` as their byte; unused/undefined ones as
+    nothing (llama.cpp's ``token_to_piece``). One native pass
+    (``toy._native.pieces``)."""
+    return native_pieces(
+        vocab.tokens,
+        vocab.attrs,
+        vocab.model != "llama",
+        _ALPHABET_BYTE,
+        ATTR_CONTROL | ATTR_UNKNOWN,
+        ATTR_USER_DEFINED,
+        ATTR_NORMAL,
+        ATTR_BYTE,
+        _spm_piece,
+        _byte_piece,
+        _gpt2_decode,
+    )
 
 
 def _spm_merges(vocab: Vocab, ids: dict[str, int]) -> list[tuple[str, str]]:
@@ -141,12 +156,15 @@ def _gpt2_merges(vocab: Vocab, ids: dict[str, int]) -> list[tuple[str, str]]:
 def build_hf_tokenizer(vocab: Vocab) -> HFTokenizer:
     """The HF tokenizer for ``vocab`` with special tokens parsed in text; set
     ``encode_special_tokens = True`` on a copy for plain-text parsing."""
-    ids = {t: i for i, t in enumerate(vocab.tokens)}
+    ids = vocab.ids if vocab.ids is not None else {t: i for i, t in enumerate(vocab.tokens)}
     try:
         if vocab.model == "gpt2":
             spec = vocab.pre_spec
             assert spec is not None
-            model = models.BPE(vocab=ids, merges=_gpt2_merges(vocab, ids), ignore_merges=spec.ignore_merges)
+            try:  # a well-formed file: every merge's parts and result are tokens
+                model = models.BPE(vocab=ids, merges=vocab.merges, ignore_merges=spec.ignore_merges)
+            except Exception:  # the BPE refuses the others: leave them out, as llama.cpp ignores them
+                model = models.BPE(vocab=ids, merges=_gpt2_merges(vocab, ids), ignore_merges=spec.ignore_merges)
             tok = HFTokenizer(model)
             tok.pre_tokenizer = spec.build()
             tok.decoder = decoders.ByteLevel()
@@ -167,16 +185,12 @@ def build_hf_tokenizer(vocab: Vocab) -> HFTokenizer:
             tok.decoder = decoders.Sequence(
                 [decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
             )
-        special = [
-            AddedToken(t, special=True, normalized=False)
-            for t, a in zip(vocab.tokens, vocab.attrs)
-            if a & (ATTR_CONTROL | ATTR_UNKNOWN)
-        ]
-        user = [
-            AddedToken(t, special=False, normalized=False)
-            for t, a in zip(vocab.tokens, vocab.attrs)
-            if a & ATTR_USER_DEFINED and not a & (ATTR_CONTROL | ATTR_UNKNOWN)
-        ]
+        special, user = [], []
+        for t, a in zip(vocab.tokens, vocab.attrs):
+            if a & (ATTR_CONTROL | ATTR_UNKNOWN):
+                special.append(AddedToken(t, special=True, normalized=False))
+            elif a & ATTR_USER_DEFINED:
+                user.append(AddedToken(t, special=False, normalized=False))
         if special:
             tok.add_special_tokens(special)
         if user:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -63,6 +63,7 @@ _TYPE_TO_ATTR = {
     TYPE_UNUSED: ATTR_UNUSED,
     TYPE_BYTE: ATTR_BYTE,
 }
+_ATTR_TABLE = np.array([_TYPE_TO_ATTR.get(t, ATTR_UNDEFINED) for t in range(max(_TYPE_TO_ATTR) + 1)], np.int64)
 
 # Token texts llama.cpp treats as end of generation (``special_eog_ids``).
 EOG_TEXTS = frozenset(
@@ -125,6 +126,8 @@ class Vocab:
     add_space_prefix: bool
     clean_spaces: bool
     eog_ids: frozenset[int]
+    #: text -> id (``tokens`` inverted), kept from reading so the tokenizer builder need not rebuild it
+    ids: dict[str, int] | None = field(default=None, compare=False, repr=False)
 
     @property
     def n_tokens(self) -> int:
@@ -140,7 +143,7 @@ class Vocab:
                 f"unsupported tokenizer model {model!r}: toy builds tokenizers for {', '.join(SUPPORTED_MODELS)}",
                 hint="convert the model with a byte-level BPE (gpt2) or SentencePiece BPE (llama) vocabulary",
             )
-        tokens = _tokens(metadata)
+        tokens, by_text = _tokens(metadata)
         n = len(tokens)
         attrs = _attrs(metadata, n)
         scores = _scores(metadata, n)
@@ -167,7 +170,6 @@ class Vocab:
             for name, default in _LLAMA_DEFAULT_IDS.items():
                 if special[name] is None and default < n:
                     special[name] = default
-        by_text = {t: i for i, t in enumerate(tokens)}
         for name, texts in _DETECT_TEXTS.items():
             if special[name] is None:
                 # llama.cpp takes the first match in hash order; the lowest id is a stable stand-in
@@ -175,7 +177,7 @@ class Vocab:
                 if special[name] is not None:
                     attrs[special[name]] |= ATTR_CONTROL  # llama.cpp overrides the type of detected tokens
 
-        eog = {i for i, t in enumerate(tokens) if t in EOG_TEXTS}
+        eog = {by_text[t] for t in EOG_TEXTS if t in by_text}
         for i in eog:
             attrs[i] |= ATTR_CONTROL
         eog.update(special[k] for k in ("eos", "eot", "eom", "fim_pad", "fim_rep", "fim_sep") if special[k] is not None)
@@ -201,21 +203,24 @@ class Vocab:
             add_space_prefix=add_space_prefix,
             clean_spaces=clean_spaces,
             eog_ids=frozenset(eog),
+            ids=by_text,
         )
 
 
-def _tokens(metadata: Mapping[str, Any]) -> list[str]:
+def _tokens(metadata: Mapping[str, Any]) -> tuple[list[str], dict[str, int]]:
+    """The token texts and their inverse (text -> id)."""
     raw = _str_list(metadata, "tokenizer.ggml.tokens")
     if raw is None:
         raise TokenizerError("tokenizer.ggml.tokens is missing: the file carries no vocabulary")
     if not raw:
         raise TokenizerError("tokenizer.ggml.tokens is empty")
-    tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(raw)]
-    if len(set(tokens)) != len(tokens):
+    tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(raw)] if "" in raw else raw
+    by_text = {t: i for i, t in enumerate(tokens)}
+    if len(by_text) != len(tokens):
         seen: set[str] = set()
         dup = next(t for t in tokens if t in seen or seen.add(t))
         raise TokenizerError(f"tokenizer.ggml.tokens holds {dup!r} more than once (llama.cpp rejects this too)")
-    return tokens
+    return tokens, by_text
 
 
 def _str_list(metadata: Mapping[str, Any], key: str) -> list[str] | None:
@@ -256,7 +261,10 @@ def _attrs(metadata: Mapping[str, Any], n: int) -> list[int]:
     types = _int_array(metadata, "tokenizer.ggml.token_type", n)
     if types is None:
         return [ATTR_NORMAL] * n
-    return [_TYPE_TO_ATTR.get(int(t), ATTR_UNDEFINED) for t in types.tolist()]
+    # one table lookup for the whole array; types outside the table are undefined
+    codes = types.astype(np.int64)
+    known = (codes >= 0) & (codes < len(_ATTR_TABLE))
+    return np.where(known, _ATTR_TABLE[np.where(known, codes, 0)], ATTR_UNDEFINED).tolist()
 
 
 def _scores(metadata: Mapping[str, Any], n: int) -> np.ndarray | None:
@@ -265,6 +273,12 @@ def _scores(metadata: Mapping[str, Any], n: int) -> np.ndarray | None:
 
 
 def _merges(metadata: Mapping[str, Any]) -> list[tuple[str, str]]:
+    lazy = metadata.get("tokenizer.ggml.merges")
+    reader = sys.modules.get("toy.gguf.reader")
+    if reader is not None and isinstance(lazy, reader.StringArray):
+        pairs = lazy.pairs()  # one native pass; the loop below only to name a bad entry
+        if not isinstance(pairs, int):
+            return pairs
     raw = _str_list(metadata, "tokenizer.ggml.merges")
     if raw is None:
         raise TokenizerError("tokenizer model 'gpt2' needs tokenizer.ggml.merges")
