@@ -18,17 +18,23 @@ Decisions:
   cells in the same order; see ``toy.engine.llm``).
 - Prefix reuse is per slot: ``tokens(slot)`` is what the slot holds, and a
   caller keeps the common prefix (``truncate``) and prefills only the rest.
-- The cache memory is zeroed once at creation. Cells past a sequence's length
+- The cache memory is zero from creation (on the CPU, an anonymous mapping
+  whose pages the OS zeroes on first touch; on a device, written once). Cells past a sequence's length
   are masked out of attention; zeros (or a previous sequence's finite values)
   there contribute exact zeros.
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+
 import numpy as np
 
 import toy_ggml
 from toy.errors import BadInputError
+
+_ALIGN = 64  # bytes: each cache tensor starts on a cache line (ggml's CPU buffers need 32)
 
 KV_TYPES = {"f16": toy_ggml.GGMLType.F16, "f32": toy_ggml.GGMLType.F32, "q8_0": toy_ggml.GGMLType.Q8_0}
 
@@ -67,19 +73,32 @@ class KVCache:
         v_shape = (n_slot, self.width, n_ctx) if v_trans else k_shape
         self.k = [self._ctx.tensor(self.kv_type, k_shape, name=f"cache_k_l{i}") for i in range(cfg.n_layer)]
         self.v = [self._ctx.tensor(self.kv_type, v_shape, name=f"cache_v_l{i}") for i in range(cfg.n_layer)]
-        self._ctx.allocate(runtime)
-        # zero bytes are 0.0 in every KV type (F16, F32, and Q8_0 blocks: a
-        # zero scale and zero quants, what quantizing zeros gives), so zero
-        # bytes are stored: no float conversion per tensor
-        zeros = None
-        for t in self.k + self.v:
-            try:
-                view = t.host_view()  # F16/F32 in host memory: zeroed in place
-            except (toy_ggml.GGMLError, TypeError):  # device memory, or Q8_0
+        tensors = self.k + self.v
+        if runtime.device == "CPU":
+            # an anonymous private mapping: the OS hands out pages of zeros when they
+            # are first touched, so creating the cache makes no pass over it and
+            # positions a sequence never reaches take no memory. Small pages: a huge
+            # page would be zeroed whole (2 MiB) on the first write into it, which
+            # makes the first forward pay for most of the cache. Zero bytes are 0.0 in
+            # every KV type (F16, F32, and Q8_0 blocks: a zero scale and zero quants,
+            # what quantizing zeros gives).
+            offsets, total = [], 0
+            for t in tensors:
+                offsets.append(total)
+                total += -(-t.nbytes // _ALIGN) * _ALIGN
+            mem = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE)
+            with contextlib.suppress(AttributeError, OSError):  # not every OS has the advice
+                mem.madvise(mmap.MADV_NOHUGEPAGE)
+            buf = toy_ggml.buffer_from_memory(mem)
+            for t, off in zip(tensors, offsets):
+                t.bind(buf, off)
+            buf.close()  # the context owns it now (and, through it, ``mem``)
+        else:
+            self._ctx.allocate(runtime)
+            zeros = None
+            for t in tensors:
                 zeros = zeros or bytes(t.nbytes)
                 t.set_raw(zeros)
-            else:
-                view.fill(0)
         self._tokens: list[list[int]] = [[] for _ in range(n_slot)]
 
     @property
