@@ -231,6 +231,10 @@ CASES = [
     ("clamp_lo_above_hi", "ctx.clamp(ctx.tensor(F32, (4,)), 1.0, -1.0)", "ValueError", "lo", False),
     ("diag_mask_negative", "ctx.diag_mask_inf(ctx.tensor(F32, (4, 4)), -1)", "ValueError", "n_past", False),
     ("top_k_too_large", "ctx.top_k(ctx.tensor(F32, (2, 4)), 5)", "ValueError", "k=5", False),
+    # row reductions read each row's elements as consecutive floats
+    ("sum_rows_transposed", "ctx.sum_rows(ctx.transpose(ctx.tensor(F32, (2, 3))))", "ValueError", "consecutive", True),
+    ("mean_transposed", "ctx.mean(ctx.transpose(ctx.tensor(F32, (2, 3))))", "ValueError", "consecutive", False),
+    ("argmax_transposed", "ctx.argmax(ctx.transpose(ctx.tensor(F32, (2, 3))))", "ValueError", "consecutive", False),
     # capacity
     (
         "context_full",

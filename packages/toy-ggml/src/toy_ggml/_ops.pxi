@@ -17,6 +17,13 @@ cdef inline int _rows_contig(Tensor a, str op) except -1:
     return 0
 
 
+cdef inline int _elems_contig(Tensor a, str op) except -1:
+    # the kernel reads each row's elements as consecutive floats
+    if a.ptr.nb[0] != ggml_type_size(a.ptr.type):
+        raise ValueError(f"{op}: a row's elements must be consecutive (a transposed or strided view: use cont())")
+    return 0
+
+
 cdef inline bint _can_repeat(ggml_tensor * b, ggml_tensor * a) noexcept:
     # ggml_can_repeat(b, a): b broadcasts to a
     cdef int i
@@ -209,17 +216,17 @@ cdef class Context(_ContextBase):
 
     def sum_rows(self, Tensor a):
         """Sum over the last axis, kept with extent 1."""
-        self._in1(a); _f32(a, "sum_rows")
+        self._in1(a); _f32(a, "sum_rows"); _elems_contig(a, "sum_rows")
         return self._r(ggml_sum_rows(self.ptr, a.ptr), a._ndim)
 
     def mean(self, Tensor a):
         """Mean over the last axis, kept with extent 1."""
-        self._in1(a); _f32(a, "mean")
+        self._in1(a); _f32(a, "mean"); _elems_contig(a, "mean")
         return self._r(ggml_mean(self.ptr, a.ptr), a._ndim)
 
     def argmax(self, Tensor a):
         """Index of the maximum of each row of a 2-D tensor: shape (rows,), I32."""
-        self._in1(a); _f32(a, "argmax")
+        self._in1(a); _f32(a, "argmax"); _elems_contig(a, "argmax")
         if not ggml_is_matrix(a.ptr):
             raise ValueError(f"argmax: a must be 2-D, got {_shp(a)}")
         return self._r(ggml_argmax(self.ptr, a.ptr), 1)
