@@ -13,6 +13,7 @@ from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, 
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uintptr_t
 from libc.string cimport memcpy, strlen
 from libc.stdlib cimport malloc, free
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 
 from toy_ggml._c.ggml cimport *
 from toy_ggml._c.ggml_backend cimport *

@@ -42,6 +42,34 @@ def cpu_features():
     return out
 
 
+cdef struct _NodeTimes:
+    int n, cap
+    int64_t start
+    ggml_tensor ** nodes
+    int64_t * ns
+
+
+cdef inline int64_t _now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
+
+
+cdef c_bool _time_node(ggml_tensor * t, c_bool ask, void * user_data) noexcept nogil:
+    """The scheduler's eval callback for Runtime.compute(profile=True): ask
+    for every node (so each is computed alone), time from the ask to the
+    call after its compute."""
+    cdef _NodeTimes * p = <_NodeTimes *>user_data
+    if ask:
+        p.start = _now_ns()
+        return True
+    if p.n < p.cap:
+        p.nodes[p.n] = t
+        p.ns[p.n] = _now_ns() - p.start
+        p.n += 1
+    return True
+
+
 cdef class Runtime(_Handle):
     """Backends + scheduler + thread pool. ``device``: a device name from
     devices() (case-insensitive), "cpu", or "auto" (the first GPU, else the
@@ -240,22 +268,56 @@ cdef class Runtime(_Handle):
         before compute). compute() does this itself when needed."""
         self._prepare(graph)
 
-    def compute(self, Graph graph):
+    def compute(self, Graph graph, bint profile=False):
         """Compute the graph (GIL released). Leaf index tensors feeding
-        get_rows / set_rows / mul_mat_id are range-checked first."""
+        get_rows / set_rows / mul_mat_id are range-checked first.
+
+        ``profile``: compute node by node and return each node's wall time,
+        a list of ``(op, name, seconds)`` in graph order (``op`` as ggml
+        describes it: ``MUL_MAT``, ``SILU``, ...; views and reshapes take
+        ~0). The scheduler then starts the thread pool once per node, so the
+        total is somewhat above an unprofiled compute; the shares are what
+        the profile is for. Returns None without ``profile``."""
         self._prepare(graph)
         if graph._index_checks:
             graph._check_indices()
         cdef ggml_status st
+        cdef _NodeTimes prof
+        cdef int i
+        prof.n = 0
+        prof.cap = ggml_graph_n_nodes(graph.ptr) if profile else 0
+        prof.nodes = NULL
+        prof.ns = NULL
+        if profile:
+            prof.nodes = <ggml_tensor **>malloc(max(prof.cap, 1) * sizeof(ggml_tensor *))
+            prof.ns = <int64_t *>malloc(max(prof.cap, 1) * sizeof(int64_t))
+            if prof.nodes == NULL or prof.ns == NULL:
+                free(prof.nodes)
+                free(prof.ns)
+                raise MemoryError("profile buffers")
+            ggml_backend_sched_set_eval_callback(self._sched, _time_node, &prof)
         self._busy = True
         try:
             with nogil:
                 st = ggml_backend_sched_graph_compute(self._sched, graph.ptr)
         finally:
             self._busy = False
-        if st != GGML_STATUS_SUCCESS:
-            self._current = None
-            _check_status(st, "graph compute")
+            if profile:
+                ggml_backend_sched_set_eval_callback(self._sched, NULL, NULL)
+        try:
+            if st != GGML_STATUS_SUCCESS:
+                self._current = None
+                _check_status(st, "graph compute")
+            if not profile:
+                return None
+            return [
+                (ggml_op_desc(prof.nodes[i]).decode(), ggml_get_name(prof.nodes[i]).decode(errors="replace"),
+                 prof.ns[i] * 1e-9)
+                for i in range(prof.n)
+            ]
+        finally:
+            free(prof.nodes)
+            free(prof.ns)
 
     def n_splits(self):
         """How many backend splits the last allocated graph needed."""

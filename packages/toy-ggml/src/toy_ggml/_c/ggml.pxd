@@ -155,6 +155,7 @@ cdef extern from "ggml.h" nogil:
     ggml_tensor * ggml_get_next_tensor(const ggml_context * ctx, ggml_tensor * tensor)
     ggml_tensor * ggml_get_tensor(ggml_context * ctx, const char * name)
     const char * ggml_get_name(const ggml_tensor * tensor)
+    const char * ggml_op_desc(const ggml_tensor * t)
     ggml_tensor * ggml_set_name(ggml_tensor * tensor, const char * name)
     void ggml_set_input(ggml_tensor * tensor)
     void ggml_set_output(ggml_tensor * tensor)

@@ -3,6 +3,9 @@
 from libc.stdint cimport uint8_t
 from toy_ggml._c.ggml cimport ggml_tensor, ggml_cgraph, ggml_status, ggml_backend_buffer
 
+cdef extern from "<stdbool.h>" nogil:
+    ctypedef bint c_bool "bool"   # C's bool (a callback's type must match it exactly)
+
 cdef extern from "ggml-backend.h" nogil:
     # Opaque handles: C typedefs of struct pointers; Cython only passes them on.
     ctypedef void * ggml_backend_buffer_type_t
@@ -75,6 +78,9 @@ cdef extern from "ggml-backend.h" nogil:
     ggml_status ggml_backend_sched_graph_compute(ggml_backend_sched_t sched, ggml_cgraph * graph)
     void ggml_backend_sched_reset(ggml_backend_sched_t sched)
     void ggml_backend_sched_set_tensor_backend(ggml_backend_sched_t sched, ggml_tensor * node, ggml_backend_t backend)
+    # called with ask=true before each node (true: compute up to it and call again with ask=false)
+    ctypedef c_bool (*ggml_backend_sched_eval_callback)(ggml_tensor * t, c_bool ask, void * user_data) noexcept
+    void ggml_backend_sched_set_eval_callback(ggml_backend_sched_t sched, ggml_backend_sched_eval_callback callback, void * user_data)
 
     # CPU buffers over user memory (zero-copy mmap)
     ggml_backend_buffer_t ggml_backend_cpu_buffer_from_ptr(void * ptr, size_t size)
