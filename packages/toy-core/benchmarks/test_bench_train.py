@@ -61,7 +61,12 @@ optimizer step; and each side's minor page faults per step (memory freed
 and mapped again every step: each fault costs a kernel entry, a lot more in
 some virtual machines). The RSS record adds each side's peak over the timed
 steps alone (``VmHWM`` reset through ``/proc/self/clear_refs`` after the
-warm-up, minus the RSS at the start) when the kernel allows it. Targets are recorded
+warm-up, minus the RSS at the start) when the kernel allows it. The step-time
+record also carries toy's per-op profile of one more step, taken after the
+memory figures (``toy_profile_top``: the 12 costliest ops with their node
+counts, milliseconds and shares; ``TrainEngine.profile_step`` runs the nodes one
+at a time, so ``toy_profile_total_ms`` is above a timed step's compute and the
+shares are the point). Targets are recorded
 with ``met``; a missed target does not fail the benchmark, an error does.
 The whole run takes about 10 minutes on 2 idle cores (about 1 minute with
 ``TOY_BENCH_QUICK=1``); on a busy machine much longer: both sides slow down
@@ -210,10 +215,11 @@ class _Timed:
         self._runtime.allocate(graph)
         self.allocate_s += time.perf_counter() - t0
 
-    def compute(self, graph) -> None:
+    def compute(self, graph, **kw):
         t0 = time.perf_counter()
-        self._runtime.compute(graph)
+        out = self._runtime.compute(graph, **kw)
         self.compute_s += time.perf_counter() - t0
+        return out
 
     def __getattr__(self, name):
         return getattr(self._runtime, name)
@@ -243,6 +249,19 @@ class ToySide:
         alloc = self.runtime.allocate_s - a0
         split = {"ggml_compute": compute, "sched_allocate": alloc, "upload_and_python": total - compute - alloc}
         return res.loss, split
+
+    def profile(self, b: Batch) -> dict:
+        """One more step with every node timed (``TrainEngine.profile_step``):
+        the ops ranked by time. Nodes then run one at a time, so the total is
+        above a timed step's compute; the shares show where the step goes."""
+        from toy.train.engine import profile_summary
+
+        _, nodes = self.engine.profile_step([b], LR)
+        return {
+            "profile_top": profile_summary(nodes, top=12),
+            "profile_nodes": len(nodes),
+            "profile_total_ms": round(1e3 * sum(sec for *_, sec in nodes), 2),
+        }
 
     def describe(self) -> dict:
         """The step graph's size: ggml synchronizes its threads after every node."""
@@ -501,16 +520,17 @@ def side_main(argv: list[str]) -> None:
             emit({"times": times, "losses": losses, "splits": splits, "page_faults": faults})
         elif cmd[0] == "done":
             steps_hwm = proc_status_bytes("VmHWM")
-            emit(
-                {
-                    "rss_start": rss_start,
-                    "peak": max(setup_hwm, steps_hwm),
-                    "steps_peak": steps_hwm if hwm_reset else None,
-                    "rss_end": proc_status_bytes("VmRSS"),
-                    "maxrss": maxrss_bytes(),
-                    "steps_done": step_no,
-                }
-            )
+            figures = {
+                "rss_start": rss_start,
+                "peak": max(setup_hwm, steps_hwm),
+                "steps_peak": steps_hwm if hwm_reset else None,
+                "rss_end": proc_status_bytes("VmRSS"),
+                "maxrss": maxrss_bytes(),
+                "steps_done": step_no,
+            }
+            if hasattr(side, "profile"):  # after the memory figures: a profiled step is not a timed one
+                figures.update(side.profile(Batch(args.vocab, args.batch, args.context, step_no)))
+            emit(figures)
             return
 
 
@@ -645,6 +665,8 @@ def report(record, tmp_path, preset, vocab, batch, context, k, arch: str = "llam
         loss_last={"toy": toy_loss[-1], "torch": torch_loss[-1]},
         toy_graph_nodes=ready["toy"].get("graph_nodes"),
         toy_graph_top_ops=ready["toy"].get("graph_top_ops"),
+        toy_profile_top=done["toy"].get("profile_top"),
+        toy_profile_total_ms=done["toy"].get("profile_total_ms"),
     )
     toy_tps, torch_tps = 1e3 * tokens / toy_ms, 1e3 * tokens / torch_ms
     record(

@@ -27,7 +27,7 @@ from train_helpers import Batch, assert_grads_close, packed_batch
 from toy.gguf import GGUFFile
 from toy.models.llama import LlamaConfig
 from toy.reference.llama_np import load_weights
-from toy.train.engine import TrainEngine
+from toy.train.engine import TrainEngine, profile_summary
 from toy.train.model import ArchTrain, init_params
 from toy.train.optim import OptimConfig
 
@@ -238,6 +238,44 @@ def test_loss_curve_is_deterministic(rt):
     assert l1 == l2
     for k in p1:
         assert p1[k].tobytes() == p2[k].tobytes()
+
+
+def test_profile_step_takes_the_same_step_and_times_every_node(rt):
+    """profile_step is train_step with each node timed: byte-identical losses
+    and weights to an unprofiled engine, a record for every node of the step
+    graph, and profile_summary ranking the ops by time."""
+    cfg = LlamaConfig(
+        n_vocab=61, d_model=32, n_layer=2, n_head=4, n_head_kv=2, head_dim=8, d_ff=48,
+        rms_eps=1e-5, rope_base=10000.0, rope_dims=8, rope_mode="normal", tied_output=True,
+    )  # fmt: skip
+    engines = [TrainEngine(ArchTrain(cfg), init_params(cfg, 3), rt, OptimConfig(lr=3e-3), batch=2, context=16)]
+    engines.append(TrainEngine(ArchTrain(cfg), init_params(cfg, 3), rt, OptimConfig(lr=3e-3), batch=2, context=16))
+    try:
+        rng = np.random.default_rng(5)
+        batches = [packed_batch(rng, 61, 2, 16) for _ in range(3)]
+        plain = [engines[0].train_step([b], 3e-3) for b in batches]
+        profiled = [engines[1].profile_step([b], 3e-3) for b in batches]
+        assert [r.loss for r in plain] == [r.loss for r, _ in profiled]
+        assert [r.grad_norm for r in plain] == [r.grad_norm for r, _ in profiled]
+        p0, p1 = engines[0].param_values(), engines[1].param_values()
+        assert all(p0[k].tobytes() == p1[k].tobytes() for k in p0)
+
+        nodes = profiled[-1][1]
+        graph = engines[1]._graphs["single"].graph
+        assert len(nodes) == graph.n_nodes
+        assert [op for op, _, _ in nodes] == [n.op.split(":")[-1] for n in graph.nodes]
+        summary = profile_summary(nodes, top=5)
+        assert len(summary) == 5
+        assert [r["ms"] for r in summary] == sorted((r["ms"] for r in summary), reverse=True)
+        assert 0 < sum(r["share"] for r in summary) <= 1.0 + 1e-6
+        ops = {op for op, _, _ in nodes}
+        assert {"MUL_MAT", "OPT_STEP_ADAMW"} <= ops
+        assert sum(r["nodes"] for r in profile_summary(nodes, top=len(ops))) == len(nodes)
+        engines[1].train_step([batches[0]], 3e-3)  # profiling is off again after profile_step
+        assert engines[1]._profile is None
+    finally:
+        for e in engines:
+            e.close()
 
 
 def test_bad_batches_are_refused(tmp_path, rt):

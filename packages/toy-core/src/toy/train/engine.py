@@ -235,6 +235,7 @@ class TrainEngine:
         self._labels_host = np.zeros((n, self.n_vocab), np.float32)
         self._label_cols = np.zeros(n, np.int64)
         self._labels_dense = False  # whether the host labels hold smoothed rows
+        self._profile: list[tuple[str, str, float]] | None = None  # node times while profile_step runs
 
         # parameters, moments, accumulators and inputs: one allocated context
         n_state = len(self.specs) * (4 if accum > 1 else 3)
@@ -383,7 +384,10 @@ class TrainEngine:
         rt.allocate(g.graph)
         if g.loss_seed is not None:
             g.loss_seed.set(np.ones(g.loss_seed.shape, np.float32))
-        rt.compute(g.graph)
+        if self._profile is None:
+            rt.compute(g.graph)
+        else:
+            self._profile.extend(rt.compute(g.graph, profile=True))
         return float(g.loss.numpy().reshape(-1)[0])
 
     # ------------------------------------------------------------------ steps
@@ -413,6 +417,19 @@ class TrainEngine:
         norm = float(g.norm.numpy().reshape(-1)[0])
         self.step += 1
         return StepResult(loss=total, grad_norm=norm, lr=lr, n_targets=n_targets)
+
+    def profile_step(self, micro_batches, lr: float) -> tuple[StepResult, list[tuple[str, str, float]]]:
+        """``train_step`` (the step is taken, with the same arithmetic) with
+        every graph node timed: (the step's result, ``(op, name, seconds)``
+        of each node computed, in order, over all micro-batches). Nodes run
+        one at a time (``Runtime.compute(profile=True)``), so the step is
+        slower than an unprofiled one; ``profile_summary`` ranks the ops."""
+        self._profile = []
+        try:
+            res = self.train_step(micro_batches, lr)
+            return res, self._profile
+        finally:
+            self._profile = None
 
     def gradients(self, micro_batches) -> tuple[float, dict[str, np.ndarray]]:
         """(loss, gradient of every parameter) of one optimizer step's
@@ -515,4 +532,27 @@ class TrainEngine:
         self._state.close()
 
 
-__all__ = ["BatchInputs", "Feed", "ParamSpec", "StepResult", "TokenFeed", "TrainEngine", "TrainModel"]
+def profile_summary(nodes, top: int = 12) -> list[dict]:
+    """The ops of a profiled step (``TrainEngine.profile_step``'s node list)
+    ranked by time: ``{"op", "nodes", "ms", "share"}`` for the ``top``
+    costliest, ``share`` of the step's summed node time."""
+    by_op: dict[str, list[float]] = {}
+    for op, _name, sec in nodes:
+        by_op.setdefault(op, []).append(sec)
+    total = sum(sum(v) for v in by_op.values()) or 1.0
+    ranked = sorted(by_op.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return [
+        {"op": op, "nodes": len(v), "ms": round(1e3 * sum(v), 3), "share": round(sum(v) / total, 4)} for op, v in ranked
+    ]
+
+
+__all__ = [
+    "BatchInputs",
+    "Feed",
+    "ParamSpec",
+    "StepResult",
+    "TokenFeed",
+    "TrainEngine",
+    "TrainModel",
+    "profile_summary",
+]
