@@ -19,6 +19,7 @@ and a properly terminated body, a non-stream request with 503; run_end's
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -46,10 +47,10 @@ class Served:
     """``toy serve`` on a free port (``--port 0``; the port is read from uvicorn's log on stderr); both
     output streams are drained by threads into ``out`` and ``err``."""
 
-    def __init__(self, model: Path, runs: Path, *extra: str, drain: float = DRAIN_S):
+    def __init__(self, model: Path, runs: Path, *extra: str, drain: float = DRAIN_S, env: dict | None = None):
         cmd = [_toy(), "serve", str(model), "--port", "0", "--threads", "1", "--ctx", "512"]
         cmd += ["--runs-dir", str(runs), "--drain-timeout", str(drain), *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.out: list[str] = []
         self.err: list[str] = []
         self.port: int | None = None
@@ -307,10 +308,35 @@ def test_a_second_ctrl_c_ends_the_drain_at_once(smollm2_path, tmp_path):
     assert [(x["status"], x["finish_reason"]) for x in recs if x["kind"] == "request"] == [(200, "error")]
 
 
+SLOW_LOAD = """\
+import time
+import toy
+
+_load = toy.load
+
+
+def _slow(*args, **kwargs):
+    time.sleep(float(__import__("os").environ["TOY_TEST_LOAD_DELAY"]))
+    return _load(*args, **kwargs)
+
+
+toy.load = _slow
+"""
+
+
 def test_stopped_while_loading_leaves_no_run_bundle(smollm2_path, tmp_path):
-    """A server stopped before its model loaded never served: exit 0 and no run bundle."""
+    """A server stopped before its model loaded never served: exit 0 and no run bundle.
+
+    SmolLM2 loads in a fraction of a second, so the load could end between the /health check and the
+    signal; a ``sitecustomize`` on the child's PYTHONPATH makes ``toy.load`` wait 3 s first (the test's
+    own hook: the server's code is unchanged), so the signal surely arrives while loading."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_LOAD)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+    env["TOY_TEST_LOAD_DELAY"] = "3"
     runs = tmp_path / "runs"
-    served = Served(smollm2_path, runs)
+    served = Served(smollm2_path, runs, env=env)
     try:
         assert served._got_port.wait(60), "".join(served.err)
         r = httpx.get(f"http://127.0.0.1:{served.port}/health", timeout=10)

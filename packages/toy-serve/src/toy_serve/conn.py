@@ -294,6 +294,10 @@ class ToyUvicorn(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         again = self.should_exit
+        if self.srv.status == "loading":
+            # at once, not at uvicorn's next tick (shutdown() sets it too): a load that ends in between must
+            # not start serving, so a server stopped while loading leaves no run bundle
+            self.srv.status = "stopping"
         super().handle_exit(sig, frame)
         if again:  # a second SIGTERM forces the exit too (uvicorn: only a second SIGINT)
             self.force_exit = True
