@@ -69,6 +69,7 @@ OP_OF_FUNCTION: dict[str, tuple[str, ...]] = {
     "ggml_relu": ("UNARY:RELU",),
     "ggml_swiglu_split": ("GLU:SWIGLU",),
     "ggml_sum": ("SUM",),
+    "ggml_sum_sqr": ("SUM_SQR",),  # toy patch 0017
     "ggml_sum_rows": ("SUM_ROWS",),
     "ggml_mean": ("MEAN",),
     "ggml_argmax": ("ARGMAX",),
@@ -100,6 +101,7 @@ OP_OF_FUNCTION: dict[str, tuple[str, ...]] = {
     "ggml_pool_2d": ("POOL_2D",),
     "ggml_cross_entropy_loss": ("CROSS_ENTROPY_LOSS",),
     "ggml_opt_step_adamw": ("OPT_STEP_ADAMW",),
+    "ggml_opt_step_adamw_scaled": ("OPT_STEP_ADAMW_SCALED",),  # toy patch 0017
 }
 # Constructors that build several nodes; the page explains them in a note.
 COMPOSITE = {

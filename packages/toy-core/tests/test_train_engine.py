@@ -269,7 +269,7 @@ def test_profile_step_takes_the_same_step_and_times_every_node(rt):
         assert [r["ms"] for r in summary] == sorted((r["ms"] for r in summary), reverse=True)
         assert 0 < sum(r["share"] for r in summary) <= 1.0 + 1e-6
         ops = {op for op, _, _ in nodes}
-        assert {"MUL_MAT", "OPT_STEP_ADAMW"} <= ops
+        assert {"MUL_MAT", "SUM_SQR", "OPT_STEP_ADAMW_SCALED"} <= ops  # clipping on: the fused step (patch 0017)
         assert sum(r["nodes"] for r in profile_summary(nodes, top=len(ops))) == len(nodes)
         engines[1].train_step([batches[0]], 3e-3)  # profiling is off again after profile_step
         assert engines[1]._profile is None

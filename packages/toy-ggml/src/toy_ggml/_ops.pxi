@@ -214,6 +214,13 @@ cdef class Context(_ContextBase):
         self._in1(a); _f32(a, "sum")
         return self._r(ggml_sum(self.ptr, a.ptr), 1)
 
+    def sum_sqr(self, Tensor a):
+        """Sum of the squares of all elements, shape (1,): ``sum(sqr(a))`` bit for bit (patch 0017), in
+        one pass over ``a`` with its rows spread over the threads and no squared copy. The rows' elements
+        must be consecutive. No gradient flows through it."""
+        self._in1(a); _f32(a, "sum_sqr"); _elems_contig(a, "sum_sqr")
+        return self._r(ggml_sum_sqr(self.ptr, a.ptr), 1)
+
     def sum_rows(self, Tensor a):
         """Sum over the last axis, kept with extent 1."""
         self._in1(a); _f32(a, "sum_rows"); _elems_contig(a, "sum_rows")
@@ -686,13 +693,20 @@ cdef class Context(_ContextBase):
             raise ValueError("cross_entropy_loss: inputs must be contiguous")
         return self._r(ggml_cross_entropy_loss(self.ptr, logits.ptr, labels.ptr), 1)
 
-    def opt_step_adamw(self, Tensor param, Tensor grad, Tensor m, Tensor v, Tensor hparams):
+    def opt_step_adamw(self, Tensor param, Tensor grad, Tensor m, Tensor v, Tensor hparams, Tensor scale=None):
         """One AdamW step on ``param`` in place. m, v: moment tensors of
         param's shape; hparams F32 (7,) = [lr, beta1, beta2, eps, weight_decay,
-        1/(1-beta1^t), 1/(1-beta2^t)]."""
+        1/(1-beta1^t), 1/(1-beta2^t)]. ``scale``, an F32 tensor of one element
+        (e.g. a clipping factor computed in the graph), multiplies the gradient
+        first: the result of ``opt_step_adamw(param, mul(grad, scale), ...)`` bit
+        for bit, without the scaled copy (patch 0017)."""
         self._room(2)
         for t in (param, grad, m, v, hparams):
             (<Tensor>t)._ok(); self._use(<Tensor>t)
+        if scale is not None:
+            scale._ok(); self._use(scale); _f32(scale, "opt_step_adamw", "scale")
+            if ggml_nelements(scale.ptr) != 1:
+                raise ValueError(f"opt_step_adamw: scale must have 1 value, got {ggml_nelements(scale.ptr)}")
         if not (param.ptr.flags & GGML_TENSOR_FLAG_PARAM):
             raise ValueError("opt_step_adamw: param must be marked with set_param()")
         for t, nm in ((param, "param"), (grad, "grad"), (m, "m"), (v, "v"), (hparams, "hparams")):
@@ -702,6 +716,10 @@ cdef class Context(_ContextBase):
             raise ValueError("opt_step_adamw: param, grad, m, v must have one shape")
         if ggml_nelements(hparams.ptr) != 7:
             raise ValueError(f"opt_step_adamw: hparams must have 7 values, got {ggml_nelements(hparams.ptr)}")
+        if scale is not None:
+            return self._r(
+                ggml_opt_step_adamw_scaled(self.ptr, param.ptr, grad.ptr, m.ptr, v.ptr, hparams.ptr, scale.ptr), param._ndim
+            )
         return self._r(ggml_opt_step_adamw(self.ptr, param.ptr, grad.ptr, m.ptr, v.ptr, hparams.ptr), param._ndim)
 
 

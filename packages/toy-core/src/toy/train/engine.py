@@ -26,7 +26,11 @@ Graphs (built once, reused; a step is data uploads plus one compute each):
 Clipping scales every gradient by ``min(1, clip / (norm + 1e-6))`` where
 ``norm`` is the global L2 norm (reported as ``grad_norm``, before clipping).
 AdamW is ggml's ``opt_step_adamw`` (PyTorch's decoupled weight decay), with
-one hyper-parameter vector for decayed tensors and one for the rest.
+one hyper-parameter vector for decayed tensors and one for the rest. The
+norm's sums of squares and the clipping go through patch 0017: ``sum_sqr``
+(one threaded pass, no squared copy) and the step's ``scale`` (the factor
+applied inside AdamW, no scaled copy of each gradient), each bit-identical
+to the separate ops it replaces.
 
 Inputs (``Feed``). What a batch uploads besides the labels is the model's
 ``feed`` (optional; default ``TokenFeed``: token ids, positions, the
@@ -323,18 +327,19 @@ class TrainEngine:
                 grads = {k: ops.add(self._acc[k], v) for k, v in grads.items()}
             sq = None
             for s in self.specs:
-                t = ops.sum(ops.sqr(grads[s.name]))
+                t = ops.sum_sqr(grads[s.name])  # sum(sqr(g)) bit for bit, one threaded pass (patch 0017)
                 sq = t if sq is None else ops.add(sq, t)
             norm = ops.sqrt(sq).set_output()
             outs.append(norm)
+            factor = None
             if self.optim.grad_clip > 0:
                 factor = ops.clamp(ops.div(self._clip, ops.add(norm, self._eps)), 0.0, 1.0)
-                grads = {k: ops.mul(v, factor) for k, v in grads.items()}
             for s in self.specs:
                 p = self.params[s.name]
+                # the clipping factor is applied inside the step (AdamW on mul(g, factor) bit for bit)
                 outs.append(
                     ops.opt_step_adamw(
-                        p, grads[s.name], self._m[s.name], self._v[s.name], self._hp[s.decays(self.optim)]
+                        p, grads[s.name], self._m[s.name], self._v[s.name], self._hp[s.decays(self.optim)], factor
                     )
                 )
         g.build_forward(*outs)

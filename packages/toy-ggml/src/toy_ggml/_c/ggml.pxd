@@ -175,6 +175,7 @@ cdef extern from "ggml.h" nogil:
     ggml_tensor * ggml_neg(ggml_context * ctx, ggml_tensor * a)
     ggml_tensor * ggml_relu(ggml_context * ctx, ggml_tensor * a)
     ggml_tensor * ggml_sum(ggml_context * ctx, ggml_tensor * a)
+    ggml_tensor * ggml_sum_sqr(ggml_context * ctx, ggml_tensor * a)  # toy patch 0017
     ggml_tensor * ggml_sum_rows(ggml_context * ctx, ggml_tensor * a)
     ggml_tensor * ggml_mean(ggml_context * ctx, ggml_tensor * a)
     ggml_tensor * ggml_argmax(ggml_context * ctx, ggml_tensor * a)
@@ -223,6 +224,7 @@ cdef extern from "ggml.h" nogil:
     ggml_tensor * ggml_pool_2d(ggml_context * ctx, ggml_tensor * a, ggml_op_pool op, int k0, int k1, int s0, int s1, float p0, float p1)
     ggml_tensor * ggml_cross_entropy_loss(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b)
     ggml_tensor * ggml_opt_step_adamw(ggml_context * ctx, ggml_tensor * a, ggml_tensor * grad, ggml_tensor * m, ggml_tensor * v, ggml_tensor * adamw_params)
+    ggml_tensor * ggml_opt_step_adamw_scaled(ggml_context * ctx, ggml_tensor * a, ggml_tensor * grad, ggml_tensor * m, ggml_tensor * v, ggml_tensor * adamw_params, ggml_tensor * scale)  # toy patch 0017
 
     # graphs
     ggml_cgraph * ggml_new_graph_custom(ggml_context * ctx, size_t size, bint grads)
