@@ -1,7 +1,13 @@
-"""Patch 0007: OUT_PROD with a quantized first operand (what ggml's backward
-of MUL_MAT computes for the activations' gradient when the weight is
-quantized, e.g. a frozen QLoRA base) dequantizes each weight row once per
-run of output rows instead of once per output row.
+"""The activations' gradient through a quantized weight (a frozen QLoRA base).
+
+Patch 0007 made ggml's backward for it, OUT_PROD with a quantized first
+operand, dequantize each weight row once per run of output rows instead of
+once per output row. Since patch 0018 that gradient comes from toy's GEMM
+reading the weight transposed (test_toy_gemm_quantized.py checks it bit for
+bit against the F32 product); toy's graphs no longer reach the quantized
+OUT_PROD (the CPU backend refuses one broadcast over batches, the only case
+0018 leaves to it). The checks below, written for 0007, hold for the path
+that replaced it.
 
 The gradient of ``sum(w * mul_mat(Wq, x))`` with respect to ``x`` is
 ``w @ deq(Wq)``: checked against NumPy (float64, on the dequantized values)

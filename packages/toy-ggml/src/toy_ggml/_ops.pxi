@@ -296,8 +296,13 @@ cdef class Context(_ContextBase):
         permuted view needs no ``cont()``), and its gradients (autograd)
         are toy GEMM products of the operands read transposed, without
         copies. Such a node runs on the CPU backend only: set it where the
-        runtime computes on the CPU (``Runtime.cpu_gemm``). Other types of
-        ``a`` ignore it. Not together with ``row_invariant``."""
+        runtime computes on the CPU (``Runtime.cpu_gemm``). A quantized ``a``
+        read transposed (``transpose(w)`` of a contiguous quantized ``w``:
+        the product ``b @ dequantize(w)``, e.g. an input gradient through a
+        frozen quantized weight) goes to the same GEMM, which dequantizes
+        ``w`` while packing (patch 0018): bit for bit the product with the
+        dequantized F32 ``w`` read transposed. Other types of ``a`` ignore
+        it. Not together with ``row_invariant``."""
         self._in2(a, b)
         _f32(b, "mul_mat", "b")
         if not _type_valid(<int>a.ptr.type) or a.ptr.type in (GGML_TYPE_I32, GGML_TYPE_I64) or <int>a.ptr.type in (24, 25):
@@ -312,7 +317,11 @@ cdef class Context(_ContextBase):
                 raise ValueError("mul_mat: gemm and row_invariant exclude each other")
             use_gemm = False  # an explicit row_invariant wins over the context's default
         cdef ggml_tensor * r
-        if use_gemm and a.ptr.type == GGML_TYPE_F32:
+        if use_gemm and ggml_toy_gemm_quant_t_ok(a.ptr):
+            if not ggml_toy_gemm_operand_ok(b.ptr):
+                raise ValueError(f"mul_mat (gemm): b {_shp(b)} has neither of its last two axes contiguous (use cont())")
+            r = ggml_mul_mat_toy_gemm(self.ptr, a.ptr, b.ptr)  # a quantized a read transposed (patch 0018)
+        elif use_gemm and a.ptr.type == GGML_TYPE_F32:
             for t, name in ((a, "a"), (b, "b")):
                 if not ggml_toy_gemm_operand_ok(t.ptr):
                     raise ValueError(f"mul_mat (gemm): {name} {_shp(t)} has neither of its last two axes contiguous (use cont())")

@@ -197,6 +197,7 @@ cdef extern from "ggml.h" nogil:
     # toy patch 0011
     ggml_tensor * ggml_mul_mat_toy_gemm(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b)
     bint ggml_toy_gemm_operand_ok(const ggml_tensor * t)
+    bint ggml_toy_gemm_quant_t_ok(const ggml_tensor * t)  # toy patch 0018
     ggml_tensor * ggml_mul_mat_id(ggml_context * ctx, ggml_tensor * as_, ggml_tensor * b, ggml_tensor * ids)
     ggml_tensor * ggml_out_prod(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b)
     ggml_tensor * ggml_scale(ggml_context * ctx, ggml_tensor * a, float s)
