@@ -5,11 +5,12 @@ same batches, same starting weights.
 
 What runs (per shape ``B x T``: B=1, T=256 and B=4, T=128 by default):
 
-- ``lora``: three processes at once, alternating: toy LoRA on an F32 base
+- ``lora``: four processes at once, alternating: toy LoRA on an F32 base
   (``toy-f32``: the Q4_1 file dequantized once to F32 with
   ``toy.gguf.quantize_model(src, dst, "f32")`` in a temporary folder), toy
-  QLoRA on the Q4_1 file itself (``toy-q4_1``), and PyTorch LoRA (``torch``)
-  on the F32 file's weights. LoRA rank 8, alpha 16 (scale 2), targets q, k,
+  QLoRA on the Q4_1 file itself (``toy-q4_1``) and on a Q8_0 copy of it
+  (``toy-q8_0``: ``quantize_model(src, dst, "q8_0")``, llama.cpp's Q8_0 mix),
+  and PyTorch LoRA (``torch``) on the F32 file's weights. LoRA rank 8, alpha 16 (scale 2), targets q, k,
   v, o. toy: ``TrainEngine(LoraTrain(cfg, bind_tensors(file),
   settings), init_lora(shapes, 0), Runtime("cpu", threads=N), ...)`` (the
   base bound zero-copy and frozen, as ``toy train lora`` does). torch: the
@@ -44,7 +45,8 @@ the same machine noise. A figure is the median over a side's K steps.
 Records (``record``; targets from the issue, ``met`` says whether each is
 met, a missed target does not fail the benchmark, an error does):
 
-- LoRA step time, F32 base and Q4_1 base (QLoRA), toy / PyTorch LoRA <= 0.8;
+- LoRA step time, F32, Q4_1 and Q8_0 bases (the last two QLoRA), toy /
+  PyTorch LoRA <= 0.8;
   training tokens/s (B*T / step time) with the same target restated
   (toy / torch >= 1.25);
 - full fine-tune step time, toy / PyTorch <= 1.0; tokens/s (>= 1.0);
@@ -61,6 +63,9 @@ between them: on an F32 base they should agree to about 3 digits (the same
 weights and data; a wrong peer model would not), on the Q4_1 base less
 (ggml's quantized products round the activations to 8 bits). The first
 warm-up losses of the F32 sides are asserted to agree to 1e-3 (relative).
+Each toy record also carries the per-op profile of one more step, taken
+after the memory figures (``toy_profile_top``, as ``test_bench_train.py``
+records it).
 
 Smaller runs: ``$TOY_BENCH_FINETUNE_SHAPES`` (``BxT`` list, e.g. ``1x64``),
 ``$TOY_BENCH_FINETUNE_STEPS`` (timed steps per side, K; default 4),
@@ -138,9 +143,14 @@ SHAPES = _shapes()
 STEPS = max(1, _env_int("TOY_BENCH_FINETUNE_STEPS", 2 if QUICK else 4))
 WARMUP = max(1, _env_int("TOY_BENCH_FINETUNE_WARMUP", 1))
 
-# group -> [(side name, kind, base file: "f32" or "q4_1")]
+# group -> [(side name, kind, base file: "f32", "q4_1" or "q8_0")]
 GROUPS = {
-    "lora": [("toy-f32", "toy-lora", "f32"), ("toy-q4_1", "toy-lora", "q4_1"), ("torch", "torch-lora", "f32")],
+    "lora": [
+        ("toy-f32", "toy-lora", "f32"),
+        ("toy-q4_1", "toy-lora", "q4_1"),
+        ("toy-q8_0", "toy-lora", "q8_0"),
+        ("torch", "torch-lora", "f32"),
+    ],
     "full": [("toy", "toy-full", "f32"), ("torch", "torch-full", "f32")],
 }
 
@@ -347,16 +357,17 @@ def side_main(argv: list[str]) -> None:
             emit({"times": times, "losses": losses, "splits": splits, "page_faults": faults})
         elif cmd[0] == "done":
             steps_hwm = bt.proc_status_bytes("VmHWM")
-            emit(
-                {
-                    "rss_start": rss_start,
-                    "peak": max(setup_hwm, steps_hwm),
-                    "steps_peak": steps_hwm if hwm_reset else None,
-                    "rss_end": bt.proc_status_bytes("VmRSS"),
-                    "maxrss": bt.maxrss_bytes(),
-                    "steps_done": step_no,
-                }
-            )
+            figures = {
+                "rss_start": rss_start,
+                "peak": max(setup_hwm, steps_hwm),
+                "steps_peak": steps_hwm if hwm_reset else None,
+                "rss_end": bt.proc_status_bytes("VmRSS"),
+                "maxrss": bt.maxrss_bytes(),
+                "steps_done": step_no,
+            }
+            if hasattr(side, "profile"):  # toy's sides, after the memory figures (a profiled step is not timed)
+                figures.update(side.profile(bt.Batch(vocab, args.batch, args.context, step_no)))
+            emit(figures)
             return
 
 
@@ -365,12 +376,14 @@ def side_main(argv: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def bases(smollm2_path, tmp_path_factory) -> dict[str, Path]:
-    """The Q4_1 file and its F32 copy (dequantized once per run)."""
+    """The Q4_1 file, its F32 copy and a Q8_0 copy (converted once per run)."""
     from toy.gguf import quantize_model
 
-    f32 = tmp_path_factory.mktemp("finetune") / "SmolLM2-135M-Instruct.F32.gguf"
+    d = tmp_path_factory.mktemp("finetune")
+    f32, q8 = d / "SmolLM2-135M-Instruct.F32.gguf", d / "SmolLM2-135M-Instruct.Q8_0.gguf"
     quantize_model(smollm2_path, f32, "f32")
-    return {"q4_1": Path(smollm2_path), "f32": f32}
+    quantize_model(smollm2_path, q8, "q8_0")
+    return {"q4_1": Path(smollm2_path), "f32": f32, "q8_0": q8}
 
 
 def run_group(group: str, bases: dict[str, Path], batch: int, context: int, logdir: Path) -> dict:
@@ -472,6 +485,8 @@ def _records(record, res, group, batch, context, toy_name, label, target_ratio, 
         torch_warmup_s=torch.ready["warmup_s"],
         toy_graph_nodes=toy.ready.get("graph_nodes"),
         toy_graph_top_ops=toy.ready.get("graph_top_ops"),
+        toy_profile_top=toy.done.get("profile_top"),
+        toy_profile_total_ms=toy.done.get("profile_total_ms"),
     )
     toy_tps, torch_tps = 1e3 * tokens / toy_ms, 1e3 * tokens / torch_ms
     tps_target = round(1 / target_ratio, 4)
@@ -530,6 +545,7 @@ def test_lora_step(record, tmp_path, bases, batch, context):
     res = run_group("lora", bases, batch, context, tmp_path)
     toy, torch = _records(record, res, "lora", batch, context, "toy-f32", "LoRA (F32 base)", 0.8, None)
     _records(record, res, "lora", batch, context, "toy-q4_1", "QLoRA (Q4_1 base)", 0.8, 0.5)
+    _records(record, res, "lora", batch, context, "toy-q8_0", "QLoRA (Q8_0 base)", 0.8, 0.5)
     _check_same_model(toy, torch, "LoRA, F32 base")
 
 
