@@ -4,7 +4,8 @@ float32 PyTorch llama of the same shape, in the same run, same threads
 
 Shapes (``SHAPES``): the ``tiny`` preset (vocabulary 1024) and the ``small``
 preset (8192) at B=8, T=128, and full-parameter training at SmolLM2-135M's
-shape (preset ``smollm2-135m``, vocabulary 49152) at B=1, T=128 and T=256.
+shape (preset ``smollm2-135m``, vocabulary 49152) at T=128 and T=256, each
+with B=1 and B=4.
 ``TOY_BENCH_QUICK=1`` skips the 135M shapes and times fewer steps.
 
 Each side runs in a process of its own (this file run as a script with
@@ -127,6 +128,8 @@ if not QUICK:
     SHAPES += [
         ("smollm2-135m", 49152, 1, 128, 8),
         ("smollm2-135m", 49152, 1, 256, 6),
+        ("smollm2-135m", 49152, 4, 128, 4),
+        ("smollm2-135m", 49152, 4, 256, 4),
     ]
 # GPT-2 (toy.models.gpt2.PRESETS): (preset, vocabulary, batch, context, timed steps per side)
 GPT2_SHAPES = [

@@ -154,11 +154,14 @@ def forward_batch(ctx, cfg, weights, tokens, pos, mask, batch: int, keep=None, l
     weight's gradient, which is how rows without a target leave the loss.
 
     Attention is batched over rows and heads together: Q (B*H, T, D) against
-    K (B*H_kv, T, D) in one mul_mat, whose broadcast gives query head
-    ``b*H + h`` the key/value head ``b*H_kv + h // G`` (G = H / H_kv): GQA
-    within each row. (A 4-D broadcast would read the same heads, but ggml's
-    MUL_MAT backward only handles the 3-D one.) The scores are viewed as
-    (B, H, T, T) for one soft_max with the mask, then one mul_mat with V."""
+    K (B*H, T, D) in one mul_mat, query head ``b*H + h`` against the
+    key/value head ``b*H_kv + h // G`` (G = H / H_kv: GQA within each row),
+    which K and V repeat G times (``repeat``, whose backward sums the G
+    heads' gradients). A broadcast product would read the same heads without
+    the copies, but its gradients would fall back to ggml's OUT_PROD loops;
+    without one they are toy GEMM products like the forward (the copies cost
+    a K- and V-sized pass per layer). The scores are viewed as (B, H, T, T)
+    for one soft_max with the mask, then one mul_mat with V."""
     from toy import models
 
     arch = models.of(cfg)
@@ -174,10 +177,18 @@ def forward_batch(ctx, cfg, weights, tokens, pos, mask, batch: int, keep=None, l
     def heads(x, n, axes, shape):  # (N, n, D) -> rows-and-heads-major, contiguous
         return ctx.reshape(ctx.cont(ctx.permute(ctx.reshape(x, (batch, T, n, D)), axes)), shape)
 
+    G = H // Hkv
+
+    def per_query_head(x):  # (B*Hkv, a, b) -> (B*H, a, b): each key/value head once per query head of its group
+        if G == 1:
+            return x
+        n, a, b = x.shape
+        return ctx.reshape(ctx.repeat(ctx.reshape(x, (n, 1, a, b)), (n, G, a, b)), (n * G, a, b))
+
     def attend(layer, q, k, v):
         q = heads(q, H, (0, 2, 1, 3), (batch * H, T, D))
-        k = heads(k, Hkv, (0, 2, 1, 3), (batch * Hkv, T, D))
-        v = heads(v, Hkv, (0, 2, 3, 1), (batch * Hkv, D, T))
+        k = per_query_head(heads(k, Hkv, (0, 2, 1, 3), (batch * Hkv, T, D)))
+        v = per_query_head(heads(v, Hkv, (0, 2, 3, 1), (batch * Hkv, D, T)))
         kq = ctx.reshape(ctx.mul_mat(k, q), (batch, H, T, T))
         kq, scale = soft_capped(ctx, kq, arch.attention_scale(cfg, layer), arch.attention_softcap(cfg, layer))
         kq = ctx.reshape(ctx.soft_max(kq, mask_of(layer), scale), (batch * H, T, T))
