@@ -322,3 +322,22 @@ def test_label_smoothing_matches_torch(tmp_path, rt):
     with pytest.raises(ValueError, match="label_smoothing"):
         TrainEngine(ArchTrain(cfg), w, rt, OptimConfig(), batch=2, context=12, label_smoothing=1.0)
     eng.close()
+
+
+@pytest.mark.parametrize("variant", ["gqa_untied", "qwen3_qknorm_neox"])
+def test_sample_logits_do_not_depend_on_the_padding(tmp_path, rt, variant):
+    """next_token_logits pads the row to a power of two (at least 16), not to the context: the
+    logits equal those of the whole padded context bit for bit, and torch's float64 forward."""
+    cfg, w = load_tiny(tmp_path, variant)
+    eng = TrainEngine(ArchTrain(cfg), w, rt, OptimConfig(), batch=1, context=40)
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, cfg.n_vocab, size=40).tolist()
+    ref = torch_llama.logits(w, cfg, np.array([ids]), np.arange(40)[None], np.zeros((1, 40), np.int64))[0]
+    for n in (1, 5, 16, 17, 33, 40):
+        got = eng.next_token_logits(ids[:n])
+        assert got.tobytes() == eng.next_token_logits(ids[:n], window=40).tobytes(), n
+        np.testing.assert_allclose(got, ref[n - 1], rtol=1e-4, atol=1e-4 * np.abs(ref[n - 1]).max())
+    assert sorted(eng._row) == [16, 32, 40]  # one graph per padded length
+    with pytest.raises(ValueError, match="window"):
+        eng.next_token_logits(ids[:20], window=16)
+    eng.close()

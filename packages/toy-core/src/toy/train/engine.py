@@ -276,7 +276,7 @@ class TrainEngine:
         self._eps.set(np.array([1e-6], np.float32))
         self.step = 0  # optimizer steps taken
         self._graphs: dict[str, _Graph] = {}
-        self._row = None  # one-row forward graph for samples
+        self._row = None  # one-row forward graphs for samples, by padded length
 
     # ------------------------------------------------------------------ graphs
 
@@ -467,17 +467,31 @@ class TrainEngine:
         self._upload(batch, float(self.n_rows), smooth=False)
         return self._run(self._get("eval")), n
 
-    def next_token_logits(self, ids) -> np.ndarray:
+    def next_token_logits(self, ids, window: int | None = None) -> np.ndarray:
         """Logits (V,) after the token ids (the last ``context`` of them),
         from a one-row forward graph over the current parameters (for
-        sample generations during training; no KV cache)."""
+        sample generations during training; no KV cache).
+
+        The row is padded to ``window`` tokens (default: the smallest power
+        of two >= len(ids), at least 16, at most ``context``), not to the
+        whole context: a position only attends to the ones before it and an
+        F32 product computes each row alone (toy's GEMM), so the padding's
+        length does not change the logits (tested bit for bit against the
+        whole window), and a sample of a few dozen tokens no longer costs a
+        full-context forward per token. One graph is kept per window."""
         if not isinstance(self.feed, TokenFeed):
             raise TypeError("next_token_logits: the model is not a language model (its feed is not TokenFeed)")
         ids = np.asarray(ids, np.int32).reshape(-1)[-self.context :]
         if len(ids) == 0:
             raise ValueError("next_token_logits: no tokens")
-        T = self.context
+        if window is None:
+            window = min(self.context, max(16, 1 << (len(ids) - 1).bit_length()))
+        T = int(window)
+        if not len(ids) <= T <= self.context:
+            raise ValueError(f"next_token_logits: window {T} must hold the {len(ids)} tokens and be <= {self.context}")
         if self._row is None:
+            self._row = {}
+        if T not in self._row:
             windows = self.feed.windows
             cin = toy_ggml.Context(max_tensors=8 + len(windows))
             inp = BatchInputs(
@@ -499,8 +513,8 @@ class TrainEngine:
             ops = self._ops_context(max_tensors=cap * 2)
             out = self.model.logits(ops, self.params, inp, training=False).set_output()
             graph = toy_ggml.Graph(ops, size=cap * 2).build_forward(out)
-            self._row = (cin, inp, ops, graph, out)
-        cin, inp, ops, graph, out = self._row
+            self._row[T] = (cin, inp, ops, graph, out)
+        cin, inp, ops, graph, out = self._row[T]
         padded = np.zeros(T, np.int32)
         padded[: len(ids)] = ids
         inp.tokens.set(padded)
@@ -530,10 +544,10 @@ class TrainEngine:
         for g in self._graphs.values():
             g.ops.close()
         self._graphs.clear()
-        if self._row is not None:
-            self._row[2].close()
-            self._row[0].close()
-            self._row = None
+        for cin, _inp, ops, _graph, _out in (self._row or {}).values():
+            ops.close()
+            cin.close()
+        self._row = None
         self._state.close()
 
 
