@@ -36,6 +36,7 @@ eval_graph = _eval_graph()
 def randn(rng, *shape, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(F32)
 
+
 SHAPES = [(1,), (7,), (16,), (33,), (5, 33), (9, 17), (4, 3, 17), (2, 3, 4, 9), (1000, 24)]
 
 

@@ -9,8 +9,9 @@ values) checks the values independently. Shapes cover several k blocks (256), se
 blocks (512) and the threads' column ranges (which must start on quantization blocks: 32 or 256
 columns), partial register tiles and a batch axis; 1 to 3 threads.
 
-The backward of ``mul_mat(Wq, x)`` with ``x`` trainable and ``Wq`` frozen must now be that GEMM
-(a MUL_MAT node, no OUT_PROD), with the same bits as the hinted F32 product's backward.
+The backward of ``mul_mat(Wq, x)`` with ``x`` trainable and ``Wq`` frozen is now that GEMM (a
+MUL_MAT node, no OUT_PROD), with the same bits as the hinted F32 product's backward: checked in
+test_out_prod_quantized.py.
 """
 
 from __future__ import annotations
@@ -71,44 +72,6 @@ def test_quantized_operand_is_the_dequantized_product_bit_for_bit(qtype, case):
         assert x.tobytes() == want.tobytes(), (qtype.name, th)
     ref = np.matmul(b.astype(np.float64), deq.astype(np.float64))
     np.testing.assert_allclose(got[1], ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
-
-
-def _input_grad(qtype, raw, deq, x, up, quantized=True):
-    """d/dx of sum(up * mul_mat(W, x)) (W frozen), and the graph's op names."""
-    with tg.Runtime("cpu", threads=2) as rt, tg.Context(max_tensors=8) as cin, tg.Context(max_tensors=256) as ops:
-        wt = cin.tensor(qtype if quantized else F32, deq.shape)
-        xt = cin.tensor(F32, x.shape).set_param()
-        ut = cin.tensor(F32, up.shape)
-        y = ops.mul_mat(wt, xt, gemm=not quantized)  # the F32 reference: the hinted product
-        loss = ops.sum(ops.mul(y, ut)).set_loss().set_output()
-        g = tg.Graph(ops, size=1024, grads=True).build_forward(loss).build_backward()
-        gx = g.grad(xt)
-        gx = (gx if gx.is_contiguous else ops.cont(gx)).set_output()
-        g.build_forward(gx)
-        cin.allocate(rt)
-        seed = g.grad(loss).set_input()
-        rt.allocate(g)
-        seed.set(np.ones(1, np.float32))
-        wt.set_raw(raw) if quantized else wt.set(deq)
-        xt.set(x)
-        ut.set(up)
-        rt.compute(g)
-        return gx.numpy().copy(), [n.op for n in g.nodes]
-
-
-@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
-def test_input_gradient_through_a_frozen_quantized_weight(qtype):
-    rng = np.random.default_rng(7)
-    out_f, in_f, n = 48, 512, 13
-    raw, deq = _weights(rng, qtype, (out_f, in_f))
-    x = rng.standard_normal((n, in_f)).astype(np.float32)
-    up = rng.standard_normal((n, out_f)).astype(np.float32)
-    got, ops = _input_grad(qtype, raw, deq, x, up)
-    assert "OUT_PROD" not in ops
-    want, _ = _input_grad(qtype, raw, deq, x, up, quantized=False)
-    assert got.tobytes() == want.tobytes()
-    ref = up.astype(np.float64) @ deq.astype(np.float64)
-    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
 
 
 def test_a_transposed_quantized_operand_needs_the_gemm():
