@@ -141,7 +141,6 @@ FIELD_NOTES: dict[str, str] = {
     "`min(max_batch, max_queue)` sequences (${jobs_per_request} by default), counting every prompt.",
     "stream": "Answer with server-sent events instead of one JSON body.",
     "stream_options": "Streaming options; see [StreamOptions](#streamoptions).",
-    "logit_bias": "Not supported: a non-empty object answers 400.",
     "CompletionRequest.prompt": "What to continue: a string, a list of strings (each gets its own choices), "
     "a list of token ids, or a list of token-id lists.",
     "CompletionRequest.max_tokens": "The most tokens to generate per choice. Null: the rest of the context. "

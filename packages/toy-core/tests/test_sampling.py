@@ -476,3 +476,64 @@ def test_extreme_repeat_penalty_stays_finite():
     assert min(out[1], out[3]) > max(out[0], out[2])  # the seen positive logits now lead (both may hit the cap)
     s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1e-300, seed=1), 4)
     assert s.sample(logits, [1, 3]) in (1, 3)
+
+
+# ------------------------------------------------------------------ logit_bias
+
+
+def test_logit_bias_is_normalized_and_hashable():
+    a = SamplingParams(logit_bias={5: -1, "2": np.float32(0.5), np.int64(9): 3}).validate()
+    assert a.logit_bias == ((2, 0.5), (5, -1.0), (9, 3.0))
+    assert a == SamplingParams(logit_bias=[(9, 3.0), (2, 0.5), (5, -1)]).validate()
+    assert hash(a) == hash(SamplingParams(logit_bias=((2, 0.5), (5, -1.0), (9, 3.0))))
+
+
+@pytest.mark.parametrize(
+    "bias",
+    [{1: 100.5}, {1: -101}, {1: float("nan")}, {1: float("inf")}, {1: True}, {1: "1"}, {-1: 1}, {"x": 1}, {1.5: 1}],
+)
+def test_logit_bias_rejects_bad_entries(bias):
+    with pytest.raises(ToyError, match="logit_bias"):
+        SamplingParams(logit_bias=bias).validate()
+
+
+def test_logit_bias_rejects_duplicates_too_many_and_ids_outside_the_vocabulary():
+    with pytest.raises(ToyError, match="twice"):
+        SamplingParams(logit_bias=[(3, 1.0), (3, 2.0)]).validate()
+    with pytest.raises(ToyError, match="at most"):
+        SamplingParams(logit_bias={i: 1.0 for i in range(2000)}).validate()
+    with pytest.raises(ToyError, match="outside the vocabulary"):
+        Sampler(SamplingParams.greedy(logit_bias={4: 1.0}), 4)
+
+
+def test_logit_bias_moves_the_argmax_before_the_penalties():
+    logits = np.array([0.5, 3.0, 1.0, 2.9], dtype=np.float32)
+    assert Sampler(SamplingParams.greedy(logit_bias={1: -100}), 4).sample(logits, []) == 3
+    assert Sampler(SamplingParams.greedy(logit_bias={0: 2.6}), 4).sample(logits, []) == 0  # 3.1 > 3.0
+    # bias first, then the penalty: token 0 at 3.1 is halved to 1.55 once seen, token 1 wins again
+    assert Sampler(SamplingParams.greedy(logit_bias={0: 2.6}, repeat_penalty=2.0), 4).sample(logits, [0]) == 1
+
+
+def test_logit_bias_draws_from_the_biased_distribution():
+    """With a seed, a biased sampler draws exactly what an unbiased one draws from the biased logits."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=32).astype(np.float32)
+    bias = {3: 2.5, 7: -100.0, 30: -1.25}
+    want = logits.astype(np.float64)
+    for t, b in bias.items():
+        want[t] += b
+    biased = Sampler(open_params(logit_bias=bias, seed=5), 32)
+    plain = Sampler(open_params(seed=5), 32)
+    got = [biased.sample(logits, []) for _ in range(300)]
+    assert got == [plain.sample(want.astype(np.float32), []) for _ in range(300)]
+    assert 7 not in got
+    p3 = ref_softmax(want.tolist())[3]  # token 3's probability under the biased logits
+    assert abs(got.count(3) / 300 - p3) < 4 * math.sqrt(p3 * (1 - p3) / 300)
+    assert p3 > 5 * ref_softmax(logits.astype(np.float64).tolist())[3]  # the bias of 2.5 at work
+
+
+def test_logit_bias_leaves_logprobs_the_models_own():
+    logits = np.array([0.5, 3.0, 1.0, 2.9], dtype=np.float32)
+    a = Sampler(SamplingParams.greedy(logprobs=2, logit_bias={1: -100}), 4)
+    b = Sampler(SamplingParams.greedy(logprobs=2), 4)
+    assert a.token_logprobs(logits, 3) == b.token_logprobs(logits, 3)

@@ -163,6 +163,28 @@ def test_completion_greedy_equals_library(client, alias, ref_model):
     assert r.usage.total_tokens == n_prompt + completion_tokens(want)
 
 
+def test_logit_bias_bans_and_forces_tokens(client, alias, ref_model):
+    """logit_bias -100 on the greedy first token makes the server pick another, as the library does with
+    the same bias; +100 on one token makes every greedy token that one; chat applies it too."""
+    plain = ref_model.generate(PROMPT, temperature=0, max_tokens=N)
+    first = plain.tokens[0]
+    banned = ref_model.generate(PROMPT, temperature=0, max_tokens=N, logit_bias={first: -100})
+    assert banned.tokens[0] != first
+    r = client.completions.create(
+        model=alias, prompt=PROMPT, max_tokens=N, temperature=0, logit_bias={str(first): -100}
+    )
+    assert r.choices[0].text == banned.text
+    forced = ref_model.tokenize(" banana", add_special=False)[0]
+    r = client.completions.create(
+        model=alias, prompt=PROMPT, max_tokens=3, temperature=0, logit_bias={str(forced): 100}
+    )
+    assert r.choices[0].text == ref_model.detokenize([forced] * 3)
+    chat = dict(model=alias, messages=MESSAGES, max_tokens=4, temperature=0)
+    a = client.chat.completions.create(**chat).choices[0].message.content
+    b = client.chat.completions.create(**chat, logit_bias={str(forced): 100}).choices[0].message.content
+    assert a != b and b == ref_model.detokenize([forced] * 4)
+
+
 def test_completion_model_names(client, smollm2_path):
     """Documented names for ``model``: the alias, the file name, the path as given; none means the served one."""
     for name in (smollm2_path.stem, smollm2_path.name, str(smollm2_path)):
@@ -632,7 +654,11 @@ INVALID = [
     (C, {**HI, "seed": -2}, "seed"),
     (C, {**HI, "stop": ""}, "stop"),
     (C, {**HI, "stop": [""]}, "stop.0"),
-    (C, {**HI, "logit_bias": {"5": -100}}, "logit_bias"),
+    (C, {**HI, "logit_bias": {"x5": -100}}, "logit_bias"),
+    (C, {**HI, "logit_bias": {"5": -101}}, "logit_bias"),
+    (C, {**HI, "logit_bias": {"5": "high"}}, "logit_bias.5"),
+    (C, {**HI, "logit_bias": {"999999": 1}}, "logit_bias"),
+    (CHAT, {**MSG, "logit_bias": {"-3": 1}}, "logit_bias"),
     (C, {**HI, "suffix": "x"}, "suffix"),
     (C, {**HI, "best_of": 2}, "best_of"),
     (C, {**HI, "prompt": 5}, "prompt"),

@@ -7,9 +7,15 @@ Decisions:
 
 - Unknown fields are ignored (``extra="ignore"``): the official clients and
   tools send fields toy has no use for (``user``, ``metadata``, ...). Fields
-  that would change the result and that toy cannot honour (``logit_bias``,
-  ``suffix``, ``tools``, ``response_format`` other than text, ``best_of`` != n)
-  are refused with 400 instead of being silently dropped.
+  that would change the result and that toy cannot honour (``suffix``,
+  ``tools``, ``response_format`` other than text, ``best_of`` != n) are
+  refused with 400 instead of being silently dropped.
+- ``logit_bias`` (completions and chat): token ids as decimal strings (the
+  JSON keys OpenAI's clients send) -> a number in [-100, 100], added to that
+  token's logit before the penalties and filters (``toy.engine.sampling``).
+  A key that is not a token id of the model, or a bias out of range, is a
+  400 naming ``logit_bias``. The bias does not change reported logprobs,
+  which are the model's own (as for the penalties).
 - Tool calls do not exist yet, so everything that asks for or replays one is
   refused with 400 naming the field ("tool calls are not supported yet"):
   non-empty ``tools`` or ``functions``, a ``tool_choice`` or
@@ -115,7 +121,12 @@ class _Sampling(_Model):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="toy extension: generate past end-of-generation tokens")
-    logit_bias: dict[str, float] | None = None  # refused when non-empty
+    logit_bias: dict[str, float] | None = Field(
+        None,
+        description="Token id (a decimal string) -> a bias in [-100, 100], added to that token's logit before "
+        "the penalties and filters (greedy too). Logprobs stay the model's own. An id outside the vocabulary "
+        "answers 400.",
+    )
     user: str | None = None  # ignored
 
     @property
@@ -283,8 +294,6 @@ def param_of(message: str, default: str | None = None, logprobs_field: str = "lo
 
 def refuse_unsupported(req: _Sampling) -> None:
     """400 for options toy cannot honour (see the module docstring)."""
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise APIError(400, "suffix (insertion) is not supported", param="suffix")
@@ -335,7 +344,18 @@ def sampling_params(req: _Sampling, *, max_tokens: int, logprobs: int | None, in
         stop=stop,
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
+        logit_bias=logit_bias(req.logit_bias),
     ).validate()
+
+
+def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """The request's ``logit_bias`` as (token id, bias) pairs; 400 for a key that is not a decimal id."""
+    out = []
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise APIError(400, f"logit_bias: key {key!r} is not a token id (a decimal integer)", param="logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(out)
 
 
 # -- response pieces

@@ -19,10 +19,15 @@ Invariants:
 
 Decisions:
 
-- Order of a step, as llama.cpp's default chain: penalties -> top_k -> top_p
-  -> min_p -> temperature (divide) -> draw. With temperature 0: penalties
-  then argmax (the lowest id wins an exact tie, as ``np.argmax``); the
-  filters cannot change an argmax, so they are skipped.
+- Order of a step, as llama.cpp's default chain: logit bias -> penalties ->
+  top_k -> top_p -> min_p -> temperature (divide) -> draw. With temperature
+  0: logit bias, penalties, then argmax (the lowest id wins an exact tie, as
+  ``np.argmax``); the filters cannot change an argmax, so they are skipped.
+- ``logit_bias`` (OpenAI's): token id -> a bias in [-100, 100] added to that
+  token's logit, as given (no scaling). -100 makes a token practically
+  unreachable and +100 practically certain, without being absolute: a logit
+  is a log-probability only up to a constant, and the bias moves it by that
+  much. Ids outside the vocabulary raise (when the ``Sampler`` is made).
 - Defaults follow llama.cpp (temperature 0.8, top_k 40, top_p 0.95, min_p
   0.05, penalties off, window 64).
 - Ties are broken by the lower id everywhere (top_k at its boundary, top_p's
@@ -61,6 +66,8 @@ class SamplingError(BadInputError):
 
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries; OpenAI's own limit is lower
+LOGIT_BIAS_RANGE = 100.0
 MAX_STOP_STRINGS = 16
 _SEED_LIMIT = 2**63
 _PROB_SLACK = 1e-6  # see the module docstring: float32 logits cannot resolve probabilities finer than this
@@ -84,6 +91,7 @@ class SamplingParams:
     stop_tokens: tuple[int, ...] = ()  # extra stop ids; the engine adds the model's end-of-generation ids
     ignore_eos: bool = False  # keep generating past end-of-generation tokens
     logprobs: int | None = None  # None -> none; n -> the chosen token's logprob plus n top alternatives
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); a dict is accepted
 
     def __post_init__(self) -> None:
         # Lists (JSON, CLI) and a bare string are accepted for convenience; the frozen dataclass keeps tuples
@@ -100,6 +108,21 @@ class SamplingParams:
                 int(t) if isinstance(t, Integral) and not isinstance(t, bool) else t for t in self.stop_tokens
             )
             object.__setattr__(self, "stop_tokens", tokens)
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = list(bias.items())
+        if isinstance(bias, (list, tuple)) and all(isinstance(e, (list, tuple)) and len(e) == 2 for e in bias):
+            # NumPy numbers and decimal strings (JSON keys) become plain ints and floats; ids sorted, so equal
+            # biases give equal (hashable) params. Anything else is left for validate() to name.
+            def tid(t):
+                if isinstance(t, str) and t.isascii() and t.isdigit():
+                    return int(t)
+                return int(t) if isinstance(t, Integral) and not isinstance(t, bool) else t
+
+            pairs = [(tid(t), float(b) if isinstance(b, Real) and not isinstance(b, bool) else b) for t, b in bias]
+            if all(isinstance(t, int) for t, _ in pairs):
+                pairs.sort(key=lambda e: e[0])
+            object.__setattr__(self, "logit_bias", tuple(pairs))
 
     def validate(self) -> SamplingParams:
         """Raise ``ToyError`` naming the first out-of-range field; return ``self`` so calls chain."""
@@ -128,7 +151,26 @@ class SamplingParams:
             raise SamplingError(f"stop_tokens={self.stop_tokens!r} must be a list of token ids >= 0")
         if not isinstance(self.ignore_eos, bool):
             raise SamplingError(f"ignore_eos={self.ignore_eos!r} must be true or false")
+        self._check_logit_bias()
         return self
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, tuple) or not all(isinstance(e, tuple) and len(e) == 2 for e in bias):
+            raise SamplingError(f"logit_bias={bias!r} must map token ids to numbers")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise SamplingError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+        for t, b in bias:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise SamplingError(f"logit_bias has token id {t!r}; ids are integers >= 0")
+            if isinstance(b, bool) or not isinstance(b, float) or not -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE:
+                raise SamplingError(
+                    f"logit_bias has bias {b!r} for token {t}; a bias is a number in "
+                    f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]"
+                )
+        ids = [t for t, _ in bias]
+        if len(set(ids)) != len(ids):
+            raise SamplingError("logit_bias has a token id twice")
 
     @classmethod
     def greedy(cls, **kw) -> SamplingParams:
@@ -343,6 +385,11 @@ class Sampler:
         too_big = [t for t in params.stop_tokens if t >= self.n_vocab]
         if too_big:
             raise SamplingError(f"stop_tokens id {too_big[0]} is outside the vocabulary [0, {self.n_vocab})")
+        outside = [t for t, _ in params.logit_bias if t >= self.n_vocab]
+        if outside:
+            raise SamplingError(f"logit_bias has token id {outside[0]}, outside the vocabulary [0, {self.n_vocab})")
+        self._bias_ids = np.array([t for t, _ in params.logit_bias], np.int64)
+        self._bias = np.array([b for _, b in params.logit_bias], np.float64)
         # 63 bits so the recorded seed is itself a valid SamplingParams.seed.
         self.seed = int(params.seed) if params.seed is not None else secrets.randbits(63)
         self.rng = np.random.default_rng(self.seed)
@@ -355,11 +402,19 @@ class Sampler:
             raise SamplingError("logits contain NaN or +inf", hint="the model's forward pass overflowed")
         return x
 
+    def biased(self, logits) -> np.ndarray:
+        """A checked copy of ``logits`` with ``params.logit_bias`` added (the first step of ``sample``)."""
+        x = self._check(logits)
+        if self._bias_ids.size:
+            # added in float64 and stored back in the logits' dtype; -inf stays -inf
+            x[self._bias_ids] = (x[self._bias_ids].astype(np.float64) + self._bias).astype(x.dtype)
+        return x
+
     def sample(self, logits, history: Sequence[int] | np.ndarray) -> int:
         """The next token id. ``history`` is every token id of the context so far (prompt + generated)."""
         p = self.params
         x = apply_penalties(
-            self._check(logits), history, p.repeat_penalty, p.frequency_penalty, p.presence_penalty, p.penalty_last_n
+            self.biased(logits), history, p.repeat_penalty, p.frequency_penalty, p.presence_penalty, p.penalty_last_n
         )
         if not x.max() > -np.inf:
             raise SamplingError("every token has logit -inf; nothing can be sampled")
