@@ -586,3 +586,44 @@ def test_logprobs_need_json(capsys, smollm2_path):
     code, out, err = run(capsys, "infer", smollm2_path, "Hi", "--logprobs", 2)
     assert_clean_error(code, err, 2, "--logprobs needs --json")
     assert out == ""
+
+
+@pytest.mark.model
+def test_structured_output_flags(capsys, smollm2_path, tmp_path):
+    """--json-schema / --grammar / --regex / --json-mode: the output follows them (checked with jsonschema
+    and Python's re, not the engine's own matcher); bad input exits 2 naming the flag, before generating."""
+    import re
+
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+              "year": {"type": "integer", "minimum": 1000, "maximum": 2100}}, "required": ["city", "year"],
+              "additionalProperties": False}  # fmt: skip
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    (tmp_path / "g.gbnf").write_text('root ::= " yes" | " no"\n')
+    chat = ["infer", smollm2_path, "A city and a year, as JSON.", "--chat", "-q"]
+    for extra in (["--greedy"], ["--seed", 3, "--temperature", 1.0]):
+        code, out, _ = run(capsys, *chat, "--json-schema", tmp_path / "s.json", *extra)
+        assert code == 0
+        jsonschema.validate(json.loads(out), schema)
+    code, out, _ = run(capsys, "infer", smollm2_path, "Is it? Answer:", "--grammar", tmp_path / "g.gbnf", "-q")
+    assert code == 0 and out.rstrip("\n") in (" yes", " no")
+    code, out, _ = run(capsys, "infer", smollm2_path, "Code:", "--regex", " [A-Z]{3}-[0-9]{2}", "--greedy", "-q")
+    assert code == 0 and re.fullmatch(r" [A-Z]{3}-[0-9]{2}", out.rstrip("\n"))
+    paris = "Return a JSON object with the keys city and country for Paris."
+    code, out, _ = run(capsys, "infer", smollm2_path, paris, "--chat", "-q", "--json-mode", "--greedy", "-n", 200)
+    assert code == 0 and isinstance(json.loads(out), dict)
+    # --json with a constraint: the text field holds the constrained output
+    code, out, _ = run(capsys, *chat, "--json-schema", tmp_path / "s.json", "--greedy", "--json")
+    assert code == 0 and json.loads(out)["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(json.loads(out)["text"]), schema)
+
+    (tmp_path / "bad.json").write_text("{not json")
+    cases = [
+        (["--json-schema", tmp_path / "bad.json"], "--json-schema"),
+        (["--json-schema", tmp_path / "missing.json"], "--json-schema"),
+        (["--regex", "(a"], "regex"),
+        (["--grammar", tmp_path / "g.gbnf", "--regex", "a"], "--grammar and --regex"),
+    ]
+    for extra, words in cases:
+        code, out, err = run(capsys, "infer", smollm2_path, "Hi", "-n", 4, *extra)
+        assert code == 2 and words in err and out == "", (extra, err)

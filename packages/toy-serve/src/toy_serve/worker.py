@@ -136,7 +136,7 @@ class EngineWorker:
             )
         if job.kind == "generate":
             # Per-request preparation happens here, on the caller's thread, never under the worker's lock.
-            job.sampler = Sampler(job.params, self.model.cfg.n_vocab)
+            job.sampler = Sampler(job.params, self.model.cfg.n_vocab, self.model.tokenizer)
             job.stops = job.params.stop_token_ids(self.model.tokenizer.eog_ids)
             job.matcher = StopMatcher(job.params.stop)
             job.decoder = self.model.tokenizer.incremental_decoder()
@@ -302,6 +302,8 @@ class EngineWorker:
         self._emit(j, {"type": "token", "token": tok, "text": text, "logprob": lp})
         if hit:
             self._finish(j, "stop", flush=False)
+        elif j.sampler.done:  # the constraint is complete: nothing may follow
+            self._finish(j, "stop")
         elif len(j.out) >= p.max_tokens:
             self._finish(j, "length")
         else:

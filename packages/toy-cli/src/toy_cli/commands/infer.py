@@ -7,6 +7,12 @@ stops the current reply at the next token (a SIGINT handler sets a flag; no
 exception lands in the middle of a compute): `toy infer` then exits 130
 after printing what it has, `toy chat` returns to its prompt.
 
+Structured output (`toy infer`): ``--json-schema FILE`` (a JSON schema),
+``--grammar FILE`` (GBNF as llama.cpp takes it, or Lark), ``--regex TEXT``
+or ``--json-mode`` (any JSON object) constrain the output token by token
+(``toy.engine.constrain``); at most one of them. A file that cannot be read,
+a schema that is not JSON, or one the compiler refuses exits 2 naming it.
+
 ``--lora ADAPTER[:SCALE]`` (repeatable, both commands) applies LoRA adapters
 at inference (``toy.load(..., lora=...)``; several stack). A missing file, a
 scale that is not a number, or an adapter that does not fit the model exits 2
@@ -94,6 +100,31 @@ def _sampling(**kw):
             kw["temperature"] = 0.0
         kw["stop"] = tuple(kw["stop"] or ())
         return SamplingParams(**kw).validate()
+
+
+def _constraint(json_schema: Path | None, grammar: Path | None, regex: str | None, json_mode: bool):
+    """The Constraint the structured-output flags ask for, or None; exit 2 for a bad file or two flags."""
+    from toy.engine.constrain import Constraint
+
+    given = [n for n, v in (("--json-schema", json_schema), ("--grammar", grammar), ("--regex", regex)) if v]
+    given += ["--json-mode"] if json_mode else []
+    if len(given) > 1:
+        raise _cli_error(f"{' and '.join(given)} both constrain the output", "give one of them", 2)
+    for flag, path in (("--json-schema", json_schema), ("--grammar", grammar)):
+        if path is not None:
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise _cli_error(f"{flag} {path}: {e.strerror if isinstance(e, OSError) else e}", None, 2) from None
+            if flag == "--grammar":
+                return Constraint.grammar(text)
+            try:
+                return Constraint.json_schema(json.loads(text))
+            except ValueError as e:
+                raise _cli_error(f"--json-schema {path} is not valid JSON: {e}", None, 2) from None
+    if regex is not None:
+        return Constraint.regex(regex)
+    return Constraint.json_object() if json_mode else None
 
 
 def _fetch_if_missing(model: str) -> None:
@@ -240,6 +271,22 @@ def infer(
     logprobs: Annotated[
         int | None, typer.Option("--logprobs", help="With --json: each token's logprob and N alternatives.")
     ] = None,
+    json_schema: Annotated[
+        Path | None,
+        typer.Option("--json-schema", help="Output JSON that follows this JSON schema file.", rich_help_panel="Output"),
+    ] = None,
+    grammar: Annotated[
+        Path | None,
+        typer.Option(
+            "--grammar", help="Output text this grammar file accepts (GBNF or Lark).", rich_help_panel="Output"
+        ),
+    ] = None,
+    regex: Annotated[
+        str | None, typer.Option("--regex", help="Output text this regex matches in full.", rich_help_panel="Output")
+    ] = None,
+    json_mode: Annotated[
+        bool, typer.Option("--json-mode", help="Output one JSON object.", rich_help_panel="Output")
+    ] = False,
     device: Device = None,
     threads: Threads = None,
     ctx: Ctx = None,
@@ -267,6 +314,7 @@ def infer(
         ignore_eos=ignore_eos,
         logprobs=logprobs,
     )
+    params = dataclasses.replace(params, constraint=_constraint(json_schema, grammar, regex, json_mode))
     text = _read_prompt(prompt, prompt_opt, prompt_file)
     if system is not None and not chat:
         raise _cli_error("--system needs --chat", "add --chat to use the chat template", 2)

@@ -24,6 +24,9 @@ Decisions (written down because nobody else will):
   ``ignore_eos``, plus ``stop_tokens``; the token is not part of the text),
   a stop string (cut from the text; later text dropped) or ``max_tokens``.
   ``finish_reason`` is "stop" or "length".
+- ``constraint=`` (a ``toy.engine.constrain.Constraint``: JSON object,
+  JSON schema, grammar or regex) keeps the output inside it; generation
+  ends when the constraint is complete (see ``toy.engine.constrain``).
 - Text is streamed UTF-8 safe: a chunk never ends inside a multi-byte
   character, and text that could be the start of a stop string is held back
   until it is known not to be.
@@ -239,6 +242,10 @@ class Model:
                 f"of {self.n_ctx} tokens",
                 hint="shorten the prompt, lower max_tokens, or load with a larger n_ctx",
             )
+        if params.constraint is not None:  # a schema or grammar that cannot compile fails here, not mid-stream
+            from toy.engine import constrain
+
+            constrain.check(params.constraint, self.tokenizer)
         stream = Stream(iter(()))
         stream._gen = self._run(ids, params, cache_prompt, stream)
         return stream
@@ -246,7 +253,7 @@ class Model:
     def _run(self, ids: list[int], params: SamplingParams, cache_prompt: bool, stream: Stream) -> Iterator[str]:
         eng, slot = self.engine, 0
         t0 = time.perf_counter()
-        sampler = Sampler(params, self.cfg.n_vocab)
+        sampler = Sampler(params, self.cfg.n_vocab, self.tokenizer)
         stops = params.stop_token_ids(self.tokenizer.eog_ids)
         matcher = StopMatcher(params.stop)
         decoder = self.tokenizer.incremental_decoder()
@@ -281,6 +288,9 @@ class Model:
                     yield piece
                 if hit:
                     finish, stop_by = "stop", matcher.matched
+                    break
+                if sampler.done:  # the constraint is complete: nothing may follow
+                    finish = "stop"
                     break
                 if len(out) >= params.max_tokens:
                     break

@@ -19,10 +19,15 @@ Invariants:
 
 Decisions:
 
-- Order of a step, as llama.cpp's default chain: logit bias -> penalties ->
-  top_k -> top_p -> min_p -> temperature (divide) -> draw. With temperature
-  0: logit bias, penalties, then argmax (the lowest id wins an exact tie, as
-  ``np.argmax``); the filters cannot change an argmax, so they are skipped.
+- Order of a step, as llama.cpp's default chain: logit bias -> constraint
+  mask -> penalties -> top_k -> top_p -> min_p -> temperature (divide) ->
+  draw. With temperature 0: logit bias, constraint mask, penalties, then
+  argmax (the lowest id wins an exact tie, as ``np.argmax``); the filters
+  cannot change an argmax, so they are skipped.
+- ``constraint`` (a ``toy.engine.constrain.Constraint``: JSON, JSON schema,
+  grammar or regex) masks the tokens that cannot continue a match; the
+  ``Sampler`` then needs the model's tokenizer, and ``Sampler.done`` turns
+  true once nothing can follow (see ``toy.engine.constrain``).
 - ``logit_bias`` (OpenAI's): token id -> a bias in [-100, 100] added to that
   token's logit, as given (no scaling). -100 makes a token practically
   unreachable and +100 practically certain, without being absolute: a logit
@@ -57,6 +62,7 @@ from numbers import Integral, Real
 
 import numpy as np
 
+from toy.engine.constrain import Constraint, Matcher
 from toy.errors import BadInputError
 
 
@@ -92,6 +98,7 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past end-of-generation tokens
     logprobs: int | None = None  # None -> none; n -> the chosen token's logprob plus n top alternatives
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); a dict is accepted
+    constraint: Constraint | None = None  # JSON / JSON schema / grammar / regex the output must match
 
     def __post_init__(self) -> None:
         # Lists (JSON, CLI) and a bare string are accepted for convenience; the frozen dataclass keeps tuples
@@ -152,6 +159,10 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise SamplingError(f"ignore_eos={self.ignore_eos!r} must be true or false")
         self._check_logit_bias()
+        if self.constraint is not None:
+            if not isinstance(self.constraint, Constraint):
+                raise SamplingError(f"constraint={self.constraint!r} must be a toy.engine.constrain.Constraint")
+            self.constraint.validate()
         return self
 
     def _check_logit_bias(self) -> None:
@@ -188,9 +199,9 @@ class SamplingParams:
 
     def stop_token_ids(self, eog_ids: Iterable[int]) -> frozenset[int]:
         """The ids that end generation: ``stop_tokens`` plus the model's end-of-generation ids, unless
-        ``ignore_eos`` (then those are ordinary tokens and only ``stop_tokens`` stop)."""
+        ``ignore_eos`` (then those are ordinary tokens and only ``stop_tokens`` stop) without a constraint."""
         ids = set(self.stop_tokens)
-        if not self.ignore_eos:
+        if not self.ignore_eos or self.constraint is not None:  # a constraint ends at the grammar's end
             ids.update(int(t) for t in eog_ids)
         return frozenset(ids)
 
@@ -375,9 +386,10 @@ def top_logprobs(logits, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 class Sampler:
     """Applies ``params`` to one sequence's logits, step after step, with a generator seeded from
-    ``params.seed`` (or a fresh seed, kept in ``.seed`` so the run can be repeated)."""
+    ``params.seed`` (or a fresh seed, kept in ``.seed`` so the run can be repeated). ``tokenizer``
+    (the model's ``toy.tokenizer.Tokenizer``) is needed for ``params.constraint`` only."""
 
-    def __init__(self, params: SamplingParams, n_vocab: int):
+    def __init__(self, params: SamplingParams, n_vocab: int, tokenizer=None):
         self.params = params.validate()
         if isinstance(n_vocab, bool) or not isinstance(n_vocab, Integral) or n_vocab <= 0:
             raise SamplingError(f"n_vocab={n_vocab!r} must be a positive integer")
@@ -390,6 +402,11 @@ class Sampler:
             raise SamplingError(f"logit_bias has token id {outside[0]}, outside the vocabulary [0, {self.n_vocab})")
         self._bias_ids = np.array([t for t, _ in params.logit_bias], np.int64)
         self._bias = np.array([b for _, b in params.logit_bias], np.float64)
+        self.matcher: Matcher | None = None
+        if params.constraint is not None:
+            if tokenizer is None:
+                raise SamplingError("a constraint needs the model's tokenizer (Sampler(..., tokenizer=...))")
+            self.matcher = Matcher(params.constraint, tokenizer, self.n_vocab)
         # 63 bits so the recorded seed is itself a valid SamplingParams.seed.
         self.seed = int(params.seed) if params.seed is not None else secrets.randbits(63)
         self.rng = np.random.default_rng(self.seed)
@@ -410,20 +427,31 @@ class Sampler:
             x[self._bias_ids] = (x[self._bias_ids].astype(np.float64) + self._bias).astype(x.dtype)
         return x
 
+    @property
+    def done(self) -> bool:
+        """True once the constraint is complete and nothing can follow (always False without one)."""
+        return self.matcher is not None and self.matcher.done
+
     def sample(self, logits, history: Sequence[int] | np.ndarray) -> int:
-        """The next token id. ``history`` is every token id of the context so far (prompt + generated)."""
+        """The next token id. ``history`` is every token id of the context so far (prompt + generated).
+        Under a constraint the token also advances the matcher."""
         p = self.params
-        x = apply_penalties(
-            self.biased(logits), history, p.repeat_penalty, p.frequency_penalty, p.presence_penalty, p.penalty_last_n
-        )
+        x = self.biased(logits)
+        if self.matcher is not None:
+            self.matcher.mask(x)
+        x = apply_penalties(x, history, p.repeat_penalty, p.frequency_penalty, p.presence_penalty, p.penalty_last_n)
         if not x.max() > -np.inf:
             raise SamplingError("every token has logit -inf; nothing can be sampled")
         if p.temperature == 0:
-            return int(np.argmax(x))
-        x = top_k_filter(x, p.top_k)
-        x = top_p_filter(x, p.top_p)
-        x = min_p_filter(x, p.min_p)
-        return self._draw(x, p.temperature)
+            tok = int(np.argmax(x))
+        else:
+            x = top_k_filter(x, p.top_k)
+            x = top_p_filter(x, p.top_p)
+            x = min_p_filter(x, p.min_p)
+            tok = self._draw(x, p.temperature)
+        if self.matcher is not None:
+            self.matcher.advance(tok)
+        return tok
 
     def _draw(self, x: np.ndarray, temperature: float) -> int:
         # Only finite entries take part, so a filtered token cannot be drawn. Subtracting the max before
