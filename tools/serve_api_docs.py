@@ -118,7 +118,14 @@ ROUTES: dict[tuple[str, str], Route] = {
     ),
     ("POST", "/detokenize"): Route(
         "Token ids to text with the model's tokenizer. An id outside the vocabulary answers 400.",
-        '`{"content": "..."}`.',
+        '`{"content": "...", "prompt": "..."}` (the same text under llama.cpp\'s key and vLLM\'s).',
+    ),
+    ("GET", "/tokenizer_info"): Route(
+        "The tokenizer's description (vLLM's endpoint): what lm-evaluation-harness's `local-completions` "
+        "asks for before it tokenizes through `/tokenize`, so it needs no tokenizer of its own.",
+        '`{"tokenizer_class", "bos_token", "eos_token", "unk_token", "pad_token", "chat_template", '
+        '"add_bos_token", "add_eos_token", "vocab_size", "model_max_length"}` (token texts; `pad_token` is '
+        "the EOS text when the model has no padding token).",
     ),
 }
 
@@ -159,7 +166,6 @@ FIELD_NOTES: dict[str, str] = {
     "ChatCompletionRequest.logprobs": "Report each generated token's logprob in `logprobs.content`.",
     "ChatCompletionRequest.top_logprobs": "Alternatives to report per token; needs `logprobs: true`.",
     "ChatCompletionRequest.tools": "Not supported (function calling): a non-empty list answers 400.",
-    "ChatCompletionRequest.response_format": 'Only `{"type": "text"}` (or null); anything else answers 400.',
     "ChatMessage.role": "Who speaks: `system`, `user` or `assistant` (whatever the model's template "
     "knows); `developer` is read as `system`.",
     "ChatMessage.content": "The text, or a list of text parts joined together; null is empty text.",

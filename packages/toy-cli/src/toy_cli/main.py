@@ -46,6 +46,11 @@ COMMANDS = {
         _M + "models",
         "Convert a model's weights to another type (2-D weights; K-quant targets use llama.cpp's per-tensor mix; norms stay F32); writes OUT atomically.",
     ),
+    "export-tokenizer": Lazy(
+        _M + "models",
+        "Write a model's tokenizer as a Hugging Face tokenizer folder (tokenizer.json, tokenizer_config.json\n"
+        "with the chat template, special_tokens_map.json), for tools that want one offline.",
+    ),
     "infer": Lazy(_M + "infer", "Generate text from a prompt, streaming it to stdout (timings on stderr)."),
     "chat": Lazy(
         _M + "infer",

@@ -1,6 +1,6 @@
 """The HTTP app: ``create_app(settings, model=None)`` -> an OpenAI-compatible FastAPI app.
 
-Routes: GET /health, /v1/models, /metrics; POST /v1/completions,
+Routes: GET /health, /v1/models, /metrics, /tokenizer_info; POST /v1/completions,
 /v1/chat/completions, /v1/embeddings, /tokenize, /detokenize. Generation and
 embeddings run on one ``EngineWorker`` thread (continuous batching); each
 request turns into jobs whose events the worker hands to the event loop
@@ -55,6 +55,11 @@ Decisions:
   ``lora: [{"path", "scale"}]``.
 - /tokenize and /detokenize sit at the root (llama.cpp's and vLLM's paths);
   tokenization and chat rendering run in threads, off the event loop.
+  /tokenizer_info (vLLM's) describes the tokenizer (special tokens, flags,
+  chat template), and /tokenize also takes vLLM's ``add_special_tokens``
+  and /detokenize answers vLLM's ``prompt`` beside ``content``: with these
+  lm-evaluation-harness's ``local-completions`` tokenizes through the server
+  and needs no tokenizer of its own (no hub download).
 """
 
 from __future__ import annotations

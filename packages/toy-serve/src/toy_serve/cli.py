@@ -131,6 +131,13 @@ def serve(
     threads: Annotated[
         int | None, typer.Option("--threads", "-t", help="CPU threads (default: physical cores).")
     ] = None,
+    kv_type: Annotated[
+        str,
+        typer.Option(
+            "--kv-type",
+            help="KV cache type: f16 (default) or f32 (scoring closest to `toy eval logprobs`; twice the memory).",
+        ),
+    ] = "f16",
     lora: Annotated[
         list[str] | None,
         typer.Option(
@@ -188,6 +195,7 @@ def serve(
             max_batch=max_batch,
             device=device,
             threads=threads,
+            kv_type=kv_type,
             drain_timeout=drain_timeout,
             header_timeout=header_timeout,
             body_timeout=body_timeout,

@@ -149,11 +149,12 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         srv.check_model(body.model)
         S.refuse_unsupported(body)
         prompts = await asyncio.to_thread(_prompts, srv, model, body.prompt, "prompt", body.n)
+        cons = await asyncio.to_thread(S.constraint, body, model.tokenizer)
         k, batch = body.logprobs, Batch(srv, request)
         for ids, text in prompts:
             budget = _budget(model, ids, body.max_tokens)
             for i in range(body.n):
-                params = S.sampling_params(body, max_tokens=budget, logprobs=k, index=i)
+                params = S.sampling_params(body, max_tokens=budget, logprobs=k, index=i, constraint=cons)
                 c = batch.add(ids, params, i == 0, prompt_logprobs=k if body.echo and k is not None else None)
                 c.echo = text if body.echo else ""
                 c.lp = S.LegacyLogprobs(model.tokenizer) if k is not None else None
@@ -200,10 +201,12 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         if body.n > srv.settings.jobs_per_request:
             raise APIError(400, f"n={body.n} is more than {srv.settings.jobs_per_request} sequences", param="n")
         ids = await asyncio.to_thread(model.prompt_ids, [m.plain() for m in body.messages])
+        cons = await asyncio.to_thread(S.constraint, body, model.tokenizer)
         budget = _budget(model, ids, body.budget)
         k, batch, tok = (body.top_logprobs or 0) if body.logprobs else None, Batch(srv, request), model.tokenizer
         for i in range(body.n):
-            c = batch.add(ids, S.sampling_params(body, max_tokens=budget, logprobs=k, index=i), i == 0)
+            params = S.sampling_params(body, max_tokens=budget, logprobs=k, index=i, constraint=cons)
+            c = batch.add(ids, params, i == 0)
             c.lp = [] if k is not None else None
         batch.submit()
 
@@ -290,4 +293,14 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         bad = next((t for t in body.tokens if not 0 <= t < n), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary (0..{n - 1})", param="tokens")
-        return JSONResponse({"content": await asyncio.to_thread(model.detokenize, body.tokens)})
+        text = await asyncio.to_thread(model.detokenize, body.tokens)
+        return JSONResponse({"content": text, "prompt": text})  # llama.cpp's key, and vLLM's
+
+    @app.get("/tokenizer_info", responses=_errors(401, 503))
+    async def tokenizer_info() -> Response:
+        """The tokenizer's special tokens, flags and chat template (vLLM's endpoint, which
+        lm-evaluation-harness asks for to tokenize through /tokenize with no local tokenizer)."""
+        from toy.tokenizer.export import tokenizer_info as info
+
+        model = srv.ready()
+        return JSONResponse(info(model.tokenizer, model.chat_template, model.engine.n_ctx))

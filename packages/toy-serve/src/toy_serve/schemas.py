@@ -8,8 +8,17 @@ Decisions:
 - Unknown fields are ignored (``extra="ignore"``): the official clients and
   tools send fields toy has no use for (``user``, ``metadata``, ...). Fields
   that would change the result and that toy cannot honour (``suffix``,
-  ``tools``, ``response_format`` other than text, ``best_of`` != n) are
-  refused with 400 instead of being silently dropped.
+  ``tools``, ``best_of`` != n) are refused with 400 instead of being
+  silently dropped.
+- Structured output (completions and chat): ``response_format``
+  (``{"type": "text"}``, ``{"type": "json_object"}``, or ``{"type":
+  "json_schema", "json_schema": {"name", "schema", "strict"}}``, OpenAI's
+  shapes; the schema is always enforced, ``strict`` or not), llama.cpp's
+  ``json_schema`` (a schema) and ``grammar`` (GBNF, or Lark) fields, and
+  ``regex`` (toy extension). At most one of them per request (400
+  otherwise). The output is constrained token by token
+  (``toy.engine.constrain``); a schema, grammar or regex that cannot be
+  compiled is a 400 naming the field and the compiler's message.
 - ``logit_bias`` (completions and chat): token ids as decimal strings (the
   JSON keys OpenAI's clients send) -> a number in [-100, 100], added to that
   token's logit before the penalties and filters (``toy.engine.sampling``).
@@ -56,6 +65,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
+from toy.engine import constrain
+from toy.engine.constrain import Constraint
 from toy.engine.sampling import SamplingParams
 from toy.tokenizer.chat import ROLE_PATTERN
 
@@ -103,6 +114,22 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Model):
+    name: str = Field("response", max_length=64, description="A name for the schema (not used by toy).")
+    description: str | None = Field(None, description="What the response is (not used by toy).")
+    schema_: dict[str, Any] | bool = Field(
+        True, alias="schema", description="The JSON schema the output follows (absent: any JSON value)."
+    )
+    strict: bool | None = Field(None, description="Accepted; toy always enforces the schema.")
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"] = Field(
+        description="text: free output; json_object: one JSON object; json_schema: JSON following json_schema."
+    )
+    json_schema: JSONSchemaFormat | None = Field(None, description='Required when type is "json_schema".')
+
+
 class _Sampling(_Model):
     """Fields shared by completions and chat completions."""
 
@@ -127,6 +154,16 @@ class _Sampling(_Model):
         "the penalties and filters (greedy too). Logprobs stay the model's own. An id outside the vocabulary "
         "answers 400.",
     )
+    response_format: ResponseFormat | None = Field(
+        None, description='{"type": "text" | "json_object" | "json_schema"}; the output is constrained to it'
+    )
+    json_schema: dict[str, Any] | None = Field(
+        None, description="llama.cpp extension: a JSON schema the output follows"
+    )
+    grammar: str | None = Field(
+        None, min_length=1, description="llama.cpp extension: a GBNF (or Lark) grammar the output follows"
+    )
+    regex: str | None = Field(None, min_length=1, description="toy extension: a regex the whole output matches")
     user: str | None = None  # ignored
 
     @property
@@ -175,7 +212,6 @@ class ChatCompletionRequest(_Sampling):
     function_call: Any = Field(
         None, description='Not supported yet (legacy `tool_choice`): anything but null or "none" answers 400.'
     )
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
 
     @property
     def budget(self) -> int | None:
@@ -195,7 +231,12 @@ class TokenizeRequest(_Model):
     model: str | None = None
     # llama.cpp's name; vLLM's "prompt" is accepted too (when both are given, content wins)
     content: str = Field(validation_alias=AliasChoices("content", "prompt"))
-    add_special: bool | None = Field(None, description="add BOS/EOS; null = as the model's file says")
+    # vLLM's name "add_special_tokens" is accepted too (lm-evaluation-harness sends it)
+    add_special: bool | None = Field(
+        None,
+        validation_alias=AliasChoices("add_special", "add_special_tokens"),
+        description="add BOS/EOS; null = as the model's file says",
+    )
 
 
 class DetokenizeRequest(_Model):
@@ -303,8 +344,6 @@ def refuse_unsupported(req: _Sampling) -> None:
         if req.tools:
             raise APIError(400, "tools (function calling) are not supported", param="tools")
         _refuse_tool_calls(req)
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
 
@@ -325,7 +364,39 @@ def _refuse_tool_calls(req: ChatCompletionRequest) -> None:
             raise APIError(400, f"messages.{i}.function_call: {no}", param=f"messages.{i}.function_call")
 
 
-def sampling_params(req: _Sampling, *, max_tokens: int, logprobs: int | None, index: int = 0) -> SamplingParams:
+def constraint(req: _Sampling, tokenizer: Any) -> Constraint | None:
+    """The request's output constraint, compiled once to check it (400 naming the field), or None."""
+    given: list[tuple[str, Any]] = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        given.append(("response_format", Constraint.json_object))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise APIError(400, "response_format: type json_schema needs a json_schema object", param="response_format")
+        given.append(("response_format", lambda: Constraint.json_schema(rf.json_schema.schema_)))
+    if req.json_schema is not None:
+        given.append(("json_schema", lambda: Constraint.json_schema(req.json_schema)))
+    if req.grammar is not None:
+        given.append(("grammar", lambda: Constraint.grammar(req.grammar)))
+    if req.regex is not None:
+        given.append(("regex", lambda: Constraint.regex(req.regex)))
+    if not given:
+        return None
+    if len(given) > 1:
+        names = " and ".join(n for n, _ in given)
+        raise APIError(400, f"{names} both constrain the output; give one of them", param=given[1][0])
+    field, make = given[0]
+    try:
+        c = make()
+        constrain.check(c, tokenizer)
+    except constrain.ConstraintError as e:
+        raise APIError(400, f"{field}: {e}", param=field) from None
+    return c
+
+
+def sampling_params(
+    req: _Sampling, *, max_tokens: int, logprobs: int | None, index: int = 0, constraint: Constraint | None = None
+) -> SamplingParams:
     """toy's SamplingParams for choice ``index`` of ``req`` (validated: SamplingError names the field)."""
     greedy = req.temperature == 0 or req.top_p == 0
     seed = None if req.seed is None or req.seed < 0 else (req.seed + index) % 2**63
@@ -345,6 +416,7 @@ def sampling_params(req: _Sampling, *, max_tokens: int, logprobs: int | None, in
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         logit_bias=logit_bias(req.logit_bias),
+        constraint=constraint,
     ).validate()
 
 
@@ -445,12 +517,15 @@ __all__ = [
     "DetokenizeRequest",
     "EmbeddingRequest",
     "ErrorResponse",
+    "JSONSchemaFormat",
     "LegacyLogprobs",
     "StreamOptions",
     "TextPart",
     "TokenizeRequest",
     "chat_logprob",
     "param_of",
+    "ResponseFormat",
+    "constraint",
     "refuse_unsupported",
     "sampling_params",
     "token_text",

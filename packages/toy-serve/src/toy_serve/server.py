@@ -17,7 +17,17 @@ from toy_serve.worker import EngineWorker
 log = logging.getLogger("toy_serve")
 
 COMPLETIONS, CHAT, EMBEDDINGS = "/v1/completions", "/v1/chat/completions", "/v1/embeddings"
-ENDPOINTS = {"/health", "/v1/models", "/metrics", COMPLETIONS, CHAT, EMBEDDINGS, "/tokenize", "/detokenize"}
+ENDPOINTS = {
+    "/health",
+    "/v1/models",
+    "/metrics",
+    COMPLETIONS,
+    CHAT,
+    EMBEDDINGS,
+    "/tokenize",
+    "/detokenize",
+    "/tokenizer_info",
+}
 OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}
 LOGGED = {COMPLETIONS, CHAT, EMBEDDINGS}
 DEFAULT_PARAM = {
@@ -55,6 +65,7 @@ class Server:
             n_ctx=s.ctx,
             threads=s.threads,
             n_slot=s.parallel,
+            kv_type=s.kv_type,
             exact_batching=True,
             lora=list(s.lora) or None,
         )

@@ -371,8 +371,35 @@ def quantize(
         typer.echo(str(dst))
 
 
+def export_tokenizer(
+    model: Annotated[str, typer.Argument(help="A GGUF path or a model name (see `toy list`).")],
+    folder: Annotated[Path, typer.Argument(help="The folder to write (created if missing).")],
+) -> None:
+    """Write a model's tokenizer as a Hugging Face tokenizer folder (tokenizer.json, tokenizer_config.json
+    with the chat template, special_tokens_map.json), for tools that want one offline."""
+    if folder.exists() and not folder.is_dir():
+        raise _cli_error(f"{folder}: not a folder", "pass a folder path (it is created if missing)", 2)
+    with _errors():
+        from toy.gguf.reader import GGUFFile
+        from toy.store import resolve_model
+        from toy.tokenizer import ChatTemplate, Tokenizer
+        from toy.tokenizer.export import export_hf
+
+        path = resolve_model(model)
+        with GGUFFile(path) as gf:
+            tok, template = Tokenizer.from_gguf(gf.metadata), ChatTemplate.from_gguf(gf.metadata)
+            n_ctx = gf.metadata.get(f"{gf.architecture}.context_length")
+        try:
+            written = export_hf(tok, template, folder, n_ctx=int(n_ctx) if n_ctx else None)
+        except OSError as e:
+            raise _cli_error(f"{folder}: {e.strerror or e}", None, 1) from None
+    for p in written:
+        typer.echo(str(p))
+
+
 def register(app: typer.Typer) -> None:
     app.command("list")(list_cmd)
     app.command("describe")(describe)
     app.command("fetch")(fetch)
     app.command("quantize")(quantize)
+    app.command("export-tokenizer")(export_tokenizer)
