@@ -103,7 +103,11 @@ ROUTES: dict[tuple[str, str], Route] = {
         '(`usage` as for completions; `logprobs` is `{"content": [{"token", "logprob", "bytes", '
         '"top_logprobs"}]}` when asked for, else null). With `stream: true`: `chat.completion.chunk` events, '
         'first `delta: {"role": "assistant", "content": ""}` for each choice, then `delta: {"content"}` '
-        "pieces, then an empty `delta` with the `finish_reason`, an optional usage chunk, and `data: [DONE]`.",
+        "pieces, then an empty `delta` with the `finish_reason`, an optional usage chunk, and `data: [DONE]`. "
+        'With tools, a reply may hold `message.tool_calls` (`[{"id", "type": "function", "function": {"name", '
+        '"arguments"}}]`, `content` null when there is no text) and `finish_reason` `"tool_calls"`; streamed, '
+        'each call comes as `delta.tool_calls` items `{"index", "id", "type", "function": {"name", "arguments": '
+        '""}}` then `{"index", "function": {"arguments"}}`.',
     ),
     ("POST", "/v1/embeddings"): Route(
         "One vector per input: the mean of the model's final hidden states over the input's tokens, "
@@ -165,7 +169,6 @@ FIELD_NOTES: dict[str, str] = {
     "ChatCompletionRequest.max_completion_tokens": "OpenAI's newer name for `max_tokens`; wins over it.",
     "ChatCompletionRequest.logprobs": "Report each generated token's logprob in `logprobs.content`.",
     "ChatCompletionRequest.top_logprobs": "Alternatives to report per token; needs `logprobs: true`.",
-    "ChatCompletionRequest.tools": "Not supported (function calling): a non-empty list answers 400.",
     "ChatMessage.role": "Who speaks: `system`, `user` or `assistant` (whatever the model's template "
     "knows); `developer` is read as `system`.",
     "ChatMessage.content": "The text, or a list of text parts joined together; null is empty text.",

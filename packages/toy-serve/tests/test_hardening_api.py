@@ -1,5 +1,5 @@
 """Hardening of the HTTP API: telemetry failures, unauthenticated floods, refused
-tool calls, malformed JSON bodies and unparsable requests (guard.py's and
+tool fields that cannot be honoured, malformed JSON bodies and unparsable requests (guard.py's and
 schemas.py's module docstrings).
 
 The apps run over a tiny generated model (``toy_test_models.write_tiny_model``,
@@ -208,15 +208,20 @@ def test_refused_requests_note_is_rate_limited(tiny, tmp_path, monkeypatch):
     assert counts == [1, 4, 2]  # at 0 s, at 61 s (1, 1, 30, 61) and at 200 s (62, 200)
 
 
-# -- item 12: tool calls are refused until they exist
+# -- tool fields that cannot be honoured answer 400 naming the field (tool calls themselves: test_tool_calls.py)
 
+F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 TOOL_FIELDS = [
-    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
-    ({"function_call": "auto"}, "function_call"),
-    ({"function_call": {"name": "f"}}, "function_call"),
-    ({"tool_choice": "auto"}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions", "legacy"),
+    ({"function_call": "auto"}, "function_call", "legacy"),
+    ({"function_call": {"name": "f"}}, "function_call", "legacy"),
+    ({"tool_choice": "required"}, "tool_choice", "no tools"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "no tools"),
+    ({"tools": [F], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "not one of"),
+    ({"tools": [F, F]}, "tools", "twice"),
+    ({"tools": [F], "tool_choice": "required", "regex": "a"}, "tool_choice", "cannot be combined"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function.name", "pattern"),
+    ({"tool_choice": "always"}, "tool_choice", ""),
     (
         {
             "messages": [
@@ -225,25 +230,27 @@ TOOL_FIELDS = [
                 {"role": "user", "content": "t2"},
             ]
         },
-        "messages.1.tool_calls",
+        "messages.1.tool_calls.0.function",
+        "",
     ),
     (
         {"messages": [{"role": "assistant", "content": "t1", "function_call": {"name": "f", "arguments": "{}"}}]},
         "messages.0.function_call",
+        "legacy",
     ),
 ]
 
 
-def test_tool_call_fields_are_refused(tiny, tmp_path):
+def test_tool_fields_that_cannot_be_honoured_are_refused(tiny, tmp_path):
     app = make_app(tiny, tmp_path)
 
     async def go():
         async with asgi(app) as c:
-            for extra, param in TOOL_FIELDS:
+            for extra, param, words in TOOL_FIELDS:
                 r = await c.post("/v1/chat/completions", json={**CHAT, **extra})
                 assert r.status_code == 400, (extra, r.text)
                 err = error_of(r)
-                assert err["param"] == param and "tool calls are not supported yet" in err["message"], err
+                assert err["param"] == param and words in err["message"], err
             # what asks for no tool call is accepted
             ok = {"tool_choice": "none", "function_call": "none", "functions": [], "tools": []}
             msg = {"role": "assistant", "content": "t3", "tool_calls": [], "function_call": None}

@@ -141,7 +141,7 @@ def test_tokenize_detokenize_round_trip(live, ref_model, text):
         assert r.status_code == 200 and r.json()["tokens"] == ref_model.tokenize(text, add_special=special)
     r = live.http.post("/detokenize", json={"tokens": tokens})
     assert r.status_code == 200
-    assert r.json() == {"content": ref_model.detokenize(tokens)}
+    assert r.json() == {"content": ref_model.detokenize(tokens), "prompt": ref_model.detokenize(tokens)}
     assert r.json()["content"] == text
 
 
@@ -674,7 +674,7 @@ INVALID = [
     (CHAT, {**MSG, "top_logprobs": 2}, "top_logprobs"),
     (CHAT, {**MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (CHAT, {**MSG, "max_completion_tokens": -1}, "max_completion_tokens"),
-    (CHAT, {**MSG, "tools": [{"type": "function"}]}, "tools"),
+    (CHAT, {**MSG, "tools": [{"type": "function"}]}, "tools.0.function"),
     (CHAT, {**MSG, "response_format": {"type": "json_schema"}}, "response_format"),
     (CHAT, {**MSG, "response_format": {"type": "xml"}}, "response_format.type"),
     (

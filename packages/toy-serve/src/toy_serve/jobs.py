@@ -36,6 +36,8 @@ class Choice:
         self.vector: np.ndarray | None = None
         self.lp: Any = None  # LegacyLogprobs (completions) or a list (chat), when logprobs were asked for
         self.echo = ""
+        self.tools: Any = None  # a toy_serve.tools.ToolParser when the request has tools
+        self.sent_calls = 0  # tool calls streamed so far
         self.n_out = 0  # tokens seen so far (usage comes with "done"; this counts a request cut short too)
 
     def apply(self, ev: dict) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from toy.errors import BadInputError, ToyError
 from toy.tokenizer.chat import ChatTemplateError
 from toy.tokenizer.vocab import TokenizerError
 from toy_serve import schemas as S
+from toy_serve import tools as T
 from toy_serve.jobs import Batch, Choice, safe_stream, sse, stream
 from toy_serve.metrics import CONTENT_TYPE
 from toy_serve.schemas import (
@@ -200,14 +201,32 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         S.refuse_unsupported(body)
         if body.n > srv.settings.jobs_per_request:
             raise APIError(400, f"n={body.n} is more than {srv.settings.jobs_per_request} sequences", param="n")
-        ids = await asyncio.to_thread(model.prompt_ids, [m.plain() for m in body.messages])
-        cons = await asyncio.to_thread(S.constraint, body, model.tokenizer)
+        mode = body.tool_mode
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if mode != "none" else []
+        messages, chat_vars = [m.plain() for m in body.messages], {}
+        if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            native = T.template_knows_tools(model.chat_template)
+            messages = T.render_messages(messages, tools, native)
+            if native and tools:
+                chat_vars = {"tools": tools}
+        ids = await asyncio.to_thread(model.prompt_ids, messages, False, chat_vars)
+        if mode in ("required", "named"):
+            chosen = (
+                tools
+                if mode == "required"
+                else [t for t in tools if t["function"]["name"] == body.tool_choice.function.name]
+            )
+            cons = T.forced_call(chosen, parallel=body.parallel_tool_calls)
+        else:
+            cons = await asyncio.to_thread(S.constraint, body, model.tokenizer)
+        names = {t["function"]["name"] for t in tools}
         budget = _budget(model, ids, body.budget)
         k, batch, tok = (body.top_logprobs or 0) if body.logprobs else None, Batch(srv, request), model.tokenizer
         for i in range(body.n):
             params = S.sampling_params(body, max_tokens=budget, logprobs=k, index=i, constraint=cons)
             c = batch.add(ids, params, i == 0)
             c.lp = [] if k is not None else None
+            c.tools = T.ToolParser(names) if tools else None
         batch.submit()
 
         def entry(c: Choice, ev: dict) -> list | None:
@@ -215,6 +234,9 @@ def add_routes(app: FastAPI, srv: Server) -> None:
                 return None
             c.lp.append(S.chat_logprob(tok, ev["token"], ev["logprob"].logprob, ev["logprob"].top))
             return c.lp[-1:]
+
+        def tool_calls(calls: list[dict]) -> list[dict]:
+            return [{"id": T.new_call_id(), "type": "function", "function": call} for call in calls]
 
         head = {"id": f"chatcmpl-{batch.rid}", "created": int(time.time()), "model": alias}
         if not body.stream:
@@ -224,9 +246,17 @@ def add_routes(app: FastAPI, srv: Server) -> None:
                 raise err
             choices = []
             for c in batch.choices:
-                message = {"role": "assistant", "content": "".join(c.text)}
+                message: dict[str, Any] = {"role": "assistant", "content": "".join(c.text)}
+                finish = c.finish
+                if c.tools is not None:
+                    c.tools.feed(message["content"])
+                    c.tools.finish()
+                    message["content"] = c.tools.message_content()
+                    if c.tools.calls:
+                        message["tool_calls"] = tool_calls(c.tools.calls)
+                        finish = "tool_calls" if finish != "cancelled" else finish
                 lps = {"content": c.lp} if c.lp is not None else None
-                choices.append({"index": c.index, "message": message, "logprobs": lps, "finish_reason": c.finish})
+                choices.append({"index": c.index, "message": message, "logprobs": lps, "finish_reason": finish})
             return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": batch.usage()})
         head = {**head, "object": "chat.completion.chunk", **({"usage": None} if body.include_usage else {})}
 
@@ -236,13 +266,38 @@ def add_routes(app: FastAPI, srv: Server) -> None:
                 {**head, "choices": [{"index": c.index, "delta": delta, "logprobs": lps, "finish_reason": finish}]}
             )
 
+        def tool_chunks(c: Choice, deltas: list, lps: list | None) -> Iterator[str]:
+            for kind, value in deltas:
+                if kind == "content":
+                    yield chunk(c, {"content": value}, lps, None)
+                else:
+                    n, c.sent_calls = c.sent_calls, c.sent_calls + 1
+                    first = {"index": n, "id": T.new_call_id(), "type": "function"}
+                    first["function"] = {"name": value["name"], "arguments": ""}
+                    yield chunk(c, {"tool_calls": [first]}, lps, None)
+                    rest = {"index": n, "function": {"arguments": value["arguments"]}}
+                    yield chunk(c, {"tool_calls": [rest]}, None, None)
+                lps = None
+
         async def gen() -> AsyncIterator[str]:
             for c in batch.choices:
                 yield chunk(c, {"role": "assistant", "content": ""}, None, None)
             async for c, ev in batch.events(watch=False):
                 lps = entry(c, ev)
                 if ev["type"] == "done":
-                    yield chunk(c, {}, None, c.finish)
+                    finish = c.finish
+                    if c.tools is not None:
+                        for line in tool_chunks(c, c.tools.finish(), None):
+                            yield line
+                        if c.tools.calls and finish != "cancelled":
+                            finish = "tool_calls"
+                    yield chunk(c, {}, None, finish)
+                elif ev["type"] == "token" and c.tools is not None:
+                    lines = list(tool_chunks(c, c.tools.feed(ev["text"]), lps))
+                    if not lines and lps:
+                        lines = [chunk(c, {"content": ""}, lps, None)]
+                    for line in lines:
+                        yield line
                 elif ev["type"] == "token" and (ev["text"] or lps):
                     yield chunk(c, {"content": ev["text"]}, lps, None)
             if body.include_usage:

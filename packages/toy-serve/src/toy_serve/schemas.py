@@ -25,13 +25,15 @@ Decisions:
   A key that is not a token id of the model, or a bias out of range, is a
   400 naming ``logit_bias``. The bias does not change reported logprobs,
   which are the model's own (as for the penalties).
-- Tool calls do not exist yet, so everything that asks for or replays one is
-  refused with 400 naming the field ("tool calls are not supported yet"):
-  non-empty ``tools`` or ``functions``, a ``tool_choice`` or
-  ``function_call`` other than null or "none" (which ask for no call, as
-  toy does), and a message's non-empty ``tool_calls`` or non-null
-  ``function_call`` (param ``messages.<i>.tool_calls``). ``parallel_tool_calls``
-  only matters with tools and stays ignored.
+- Tool calls (``tools``, ``tool_choice``, ``parallel_tool_calls``, a
+  message's ``tool_calls``, ``tool`` messages with ``tool_call_id``) follow
+  OpenAI's shapes; how they are rendered, forced and parsed is in
+  ``toy_serve.tools``. A named ``tool_choice`` must name a given function,
+  ``required`` or a named choice needs ``tools``, function names are unique,
+  and a forced call cannot be combined with another output constraint (400
+  naming the field). The legacy ``functions`` and ``function_call`` fields
+  are refused with 400 (use ``tools``); null, ``[]`` and ``"none"`` are
+  accepted as asking for nothing.
 - Types are strict (``"0.5"`` is not a number, ``1`` is not a boolean, an
   int is a valid float, an integral float such as ``2.0`` is a valid int as
   JSON Schema says) and NaN/inf are refused: wrong types are the client's
@@ -185,19 +187,60 @@ class TextPart(_Model):
     text: str
 
 
+class FunctionDef(_Model):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="The function's name.")
+    description: str | None = Field(None, description="What the function does (shown to the model).")
+    parameters: dict[str, Any] | None = Field(None, description="The arguments' JSON schema (default: no arguments).")
+    strict: bool | None = Field(None, description="Accepted; arguments are constrained whenever a call is forced.")
+
+
+class Tool(_Model):
+    type: Literal["function"] = Field(description='Always "function".')
+    function: FunctionDef = Field(description="The function: name, description, parameters.")
+
+
+class NamedFunction(_Model):
+    name: str = Field(description="A function of `tools`.")
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"] = Field(description='Always "function".')
+    function: NamedFunction = Field(description="The function to call.")
+
+
+class ToolCallFunction(_Model):
+    name: str = Field(description="The function called.")
+    arguments: str = Field(description="The arguments, as JSON text.")
+
+
+class MessageToolCall(_Model):
+    id: str | None = Field(None, description="The call's id (a `tool` message answers it by `tool_call_id`).")
+    type: Literal["function"] = Field("function", description='Always "function".')
+    function: ToolCallFunction = Field(description="The function called and its arguments.")
+
+
 class ChatMessage(_Model):
     role: str = Field(min_length=1, max_length=64, pattern=f"^{ROLE_PATTERN.pattern}$")  # as the template checks
     content: str | list[TextPart] | None = None
     name: str | None = None  # ignored
-    tool_calls: list[Any] | None = Field(None, description="Not supported yet: a non-empty list answers 400.")
-    function_call: Any = Field(None, description="Not supported yet (legacy `tool_calls`): not null answers 400.")
+    tool_calls: list[MessageToolCall] | None = Field(
+        None, max_length=128, description="An assistant message's tool calls (the history of a conversation)."
+    )
+    tool_call_id: str | None = Field(None, description="A `tool` message: the id of the call it answers.")
+    function_call: Any = Field(None, description="Legacy (use `tool_calls`): not null answers 400.")
 
-    def plain(self) -> dict[str, str]:
-        """``{"role", "content"}`` for the chat template: text parts joined, "developer" read as "system"."""
+    def plain(self) -> dict[str, Any]:
+        """``{"role", "content"}`` (plus ``tool_calls``/``tool_call_id`` when set) for the chat template:
+        text parts joined, "developer" read as "system"."""
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        d: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        return d
 
 
 class ChatCompletionRequest(_Sampling):
@@ -206,12 +249,24 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None  # refused when non-empty
-    tool_choice: Any = Field(None, description='Not supported yet: anything but null or "none" answers 400.')
-    functions: list[Any] | None = Field(None, description="Not supported yet (legacy `tools`): non-empty answers 400.")
-    function_call: Any = Field(
-        None, description='Not supported yet (legacy `tool_choice`): anything but null or "none" answers 400.'
+    tools: list[Tool] | None = Field(None, max_length=128, description="Functions the model may call.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description='"none": no call; "auto" (the default with tools): the model decides; "required": at least '
+        "one call; a named function: a call of it. Forced calls are constrained to the functions' schemas.",
     )
+    parallel_tool_calls: bool = Field(True, description="Whether a reply may hold more than one call.")
+    functions: list[Any] | None = Field(None, description="Legacy (use `tools`): non-empty answers 400.")
+    function_call: Any = Field(None, description='Legacy (use `tool_choice`): anything but null or "none" answers 400.')
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required or named (what tool_choice comes to with these tools)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
 
     @property
     def budget(self) -> int | None:
@@ -341,27 +396,35 @@ def refuse_unsupported(req: _Sampling) -> None:
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of must equal n (server-side ranking is not supported)", param="best_of")
     if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            raise APIError(400, "tools (function calling) are not supported", param="tools")
-        _refuse_tool_calls(req)
+        _check_tools(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
 
 
-def _refuse_tool_calls(req: ChatCompletionRequest) -> None:
-    """400 for the fields that ask for (or replay) a tool call (see the module docstring)."""
-    no = "tool calls are not supported yet"
+def _check_tools(req: ChatCompletionRequest) -> None:
+    """400 for tool fields that cannot be honoured (see the module docstring)."""
     if req.functions:
-        raise APIError(400, f"functions: {no}", param="functions")
-    for name in ("tool_choice", "function_call"):
-        value = getattr(req, name)
-        if value is not None and value != "none":
-            raise APIError(400, f"{name}: {no} (only null or 'none' are accepted)", param=name)
+        raise APIError(400, "functions is the legacy form of tools; send tools instead", param="functions")
+    if req.function_call is not None and req.function_call != "none":
+        raise APIError(400, "function_call is the legacy form of tool_choice; send tool_choice", param="function_call")
     for i, m in enumerate(req.messages):
-        if m.tool_calls:
-            raise APIError(400, f"messages.{i}.tool_calls: {no}", param=f"messages.{i}.tool_calls")
         if m.function_call is not None:
-            raise APIError(400, f"messages.{i}.function_call: {no}", param=f"messages.{i}.function_call")
+            raise APIError(
+                400, f"messages.{i}.function_call is legacy; send tool_calls", param=f"messages.{i}.function_call"
+            )
+    names = [t.function.name for t in req.tools or []]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise APIError(400, f"tools: the function {dup!r} is given twice", param="tools")
+    forced = req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
+    if forced and not req.tools:
+        raise APIError(400, "tool_choice asks for a call but no tools are given", param="tool_choice")
+    if isinstance(req.tool_choice, NamedToolChoice) and req.tool_choice.function.name not in names:
+        msg = f"tool_choice names {req.tool_choice.function.name!r}, which is not one of the tools"
+        raise APIError(400, msg, param="tool_choice")
+    other = req.response_format is not None and req.response_format.type != "text"
+    if forced and (other or req.json_schema is not None or req.grammar is not None or req.regex is not None):
+        raise APIError(400, "a forced tool call and another output constraint cannot be combined", param="tool_choice")
 
 
 def constraint(req: _Sampling, tokenizer: Any) -> Constraint | None:
@@ -517,11 +580,15 @@ __all__ = [
     "DetokenizeRequest",
     "EmbeddingRequest",
     "ErrorResponse",
+    "FunctionDef",
     "JSONSchemaFormat",
+    "MessageToolCall",
+    "NamedToolChoice",
     "LegacyLogprobs",
     "StreamOptions",
     "TextPart",
     "TokenizeRequest",
+    "Tool",
     "chat_logprob",
     "param_of",
     "ResponseFormat",

@@ -156,19 +156,24 @@ class Model:
     def detokenize(self, ids: Sequence[int], skip_special: bool = False) -> str:
         return self.tokenizer.decode(ids, skip_special=skip_special)
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **variables: Any
+    ) -> str:
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **variables)
 
-    def prompt_ids(self, prompt, special_in_content: bool = False) -> list[int]:
+    def prompt_ids(
+        self, prompt, special_in_content: bool = False, chat_vars: Mapping[str, Any] | None = None
+    ) -> list[int]:
         """Token ids for a str, a list of ids or a list of chat messages (control-token text in messages
-        stays text unless ``special_in_content``)."""
+        stays text unless ``special_in_content``). ``chat_vars`` are extra template variables (``tools``)."""
+        chat_vars = dict(chat_vars or {})
         if isinstance(prompt, str):
             ids = self.tokenize(prompt)
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
             if special_in_content:
-                ids = self.tokenize(self.render_chat(prompt))
+                ids = self.tokenize(self.render_chat(prompt, **chat_vars))
             else:
-                text, spans = self.chat_template.render_protected(prompt, self.tokenizer.special_spans)
+                text, spans = self.chat_template.render_protected(prompt, self.tokenizer.special_spans, **chat_vars)
                 ids = self.tokenizer.encode_protected(text, spans)
             bos = self.tokenizer.bos_id
             if bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
