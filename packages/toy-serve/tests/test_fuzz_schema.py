@@ -70,6 +70,7 @@ ALLOWED_400 = {
     (None, "json_schema"),
     (None, "grammar"),
     (None, "regex"),
+    (None, "lora"),
     (None, "top_logprobs"),
     (None, "dimensions"),
     (None, "functions"),

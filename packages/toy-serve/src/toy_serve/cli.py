@@ -143,7 +143,9 @@ def serve(
         typer.Option(
             "--lora",
             metavar="ADAPTER[:SCALE]",
-            help="Apply a LoRA adapter (GGUF) scaled by SCALE (default 1); repeatable, adapters stack.",
+            help="Apply a LoRA adapter (GGUF) scaled by SCALE (default 1); repeatable, adapters stack. "
+            "NAME=ADAPTER[:SCALE] loads a selectable adapter instead, used by requests that name it "
+            "(model '<alias>:NAME' or the lora field).",
         ),
     ] = None,
     runs_dir: Annotated[
@@ -179,8 +181,11 @@ def serve(
 
     if log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise _cli_error(f"--log-level {log_level!r} is not a level", "debug, info, warning or error")
+    from toy_serve.settings import named_spec
+
     key = _read_key(api_key, api_key_file)
-    adapters = parse_lora_options(lora)
+    named = [spec for spec in lora or [] if named_spec(spec)]
+    adapters = parse_lora_options([spec for spec in lora or [] if not named_spec(spec)])
     with _errors():
         settings = Settings(
             model=model,
@@ -203,13 +208,14 @@ def serve(
             runs_dir=runs_dir,
             model_alias=alias,
             lora=tuple(adapters),
+            adapters=tuple(named),
         )
         from toy import store
 
         _check_runs_dir(settings.runs_dir)
         _fetch_if_missing(model)
         path = store.resolve_model(model)  # a missing file or unknown name fails now, before the port is bound
-        _check_model(path, settings.ctx, adapters)
+        _check_model(path, settings.ctx, list(adapters) + [(p, sc) for _, p, sc in settings.adapters])
         from toy_serve.conn import bind
 
         sock = bind(settings.host, settings.port)  # before the model loads: a port in use fails at once

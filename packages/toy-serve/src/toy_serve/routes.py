@@ -138,7 +138,14 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         adapters = srv.adapters()
         if adapters:  # file names only: a client has no business with the server's paths
             card["lora"] = [{"name": Path(p).name if p else None, "scale": sc} for p, sc in adapters]
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = [card]
+        for j, (name, p, sc) in enumerate(srv.settings.adapters):  # each selectable adapter is a model too
+            extra = {"max_model_len": card["max_model_len"]} if "max_model_len" in card else {}
+            cards.append({
+                "id": f"{alias}:{name}", "object": "model", "created": srv.created, "owned_by": "toy",
+                "parent": alias, **extra, "adapter": {"id": j, "name": name, "file": Path(p).name, "scale": sc},
+            })  # fmt: skip
+        return JSONResponse({"object": "list", "data": cards})
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
@@ -147,7 +154,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
     @app.post(COMPLETIONS, responses={**_API, **_SSE})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         model = srv.ready()
-        srv.check_model(body.model)
+        adapter = model.adapter_index(S.adapter_of(body, srv.check_model(body.model), srv.settings.adapters))
         S.refuse_unsupported(body)
         prompts = await asyncio.to_thread(_prompts, srv, model, body.prompt, "prompt", body.n)
         cons = await asyncio.to_thread(S.constraint, body, model.tokenizer)
@@ -156,7 +163,9 @@ def add_routes(app: FastAPI, srv: Server) -> None:
             budget = _budget(model, ids, body.max_tokens)
             for i in range(body.n):
                 params = S.sampling_params(body, max_tokens=budget, logprobs=k, index=i, constraint=cons)
-                c = batch.add(ids, params, i == 0, prompt_logprobs=k if body.echo and k is not None else None)
+                c = batch.add(
+                    ids, params, i == 0, prompt_logprobs=k if body.echo and k is not None else None, adapter=adapter
+                )
                 c.echo = text if body.echo else ""
                 c.lp = S.LegacyLogprobs(model.tokenizer) if k is not None else None
         batch.submit()
@@ -197,7 +206,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
     @app.post(CHAT, responses={**_API, **_SSE})
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         model = srv.ready()
-        srv.check_model(body.model)
+        adapter = model.adapter_index(S.adapter_of(body, srv.check_model(body.model), srv.settings.adapters))
         S.refuse_unsupported(body)
         if body.n > srv.settings.jobs_per_request:
             raise APIError(400, f"n={body.n} is more than {srv.settings.jobs_per_request} sequences", param="n")
@@ -224,7 +233,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         k, batch, tok = (body.top_logprobs or 0) if body.logprobs else None, Batch(srv, request), model.tokenizer
         for i in range(body.n):
             params = S.sampling_params(body, max_tokens=budget, logprobs=k, index=i, constraint=cons)
-            c = batch.add(ids, params, i == 0)
+            c = batch.add(ids, params, i == 0, adapter=adapter)
             c.lp = [] if k is not None else None
             c.tools = T.ToolParser(names) if tools else None
         batch.submit()
@@ -308,7 +317,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
     @app.post(EMBEDDINGS, responses=_API)
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         model = srv.ready()
-        srv.check_model(body.model)
+        adapter = model.adapter_index(srv.check_model(body.model))
         d = model.cfg.d_model
         if body.dimensions is not None and body.dimensions != d:
             msg = f"dimensions={body.dimensions}: this model's embeddings have {d} dimensions (no truncation)"
@@ -317,7 +326,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         batch = Batch(srv, request)
         for ids, _ in inputs:
             _budget(model, ids, 0)
-            batch.add(ids, SamplingParams(max_tokens=0), kind="embed")
+            batch.add(ids, SamplingParams(max_tokens=0), kind="embed", adapter=adapter)
         batch.submit()
         async for _ in batch.events(watch=True):
             pass

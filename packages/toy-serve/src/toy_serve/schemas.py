@@ -132,6 +132,11 @@ class ResponseFormat(_Model):
     json_schema: JSONSchemaFormat | None = Field(None, description='Required when type is "json_schema".')
 
 
+class LoraRef(_Model):
+    id: int = Field(ge=0, description="The adapter's index in /v1/models' `lora` list (llama-server's form).")
+    scale: float | None = Field(None, description="0 leaves the adapter out; else it must be its loaded scale.")
+
+
 class _Sampling(_Model):
     """Fields shared by completions and chat completions."""
 
@@ -166,6 +171,12 @@ class _Sampling(_Model):
         None, min_length=1, description="llama.cpp extension: a GBNF (or Lark) grammar the output follows"
     )
     regex: str | None = Field(None, min_length=1, description="toy extension: a regex the whole output matches")
+    lora: str | list[LoraRef] | None = Field(
+        None,
+        description="A selectable adapter (`toy serve --lora NAME=PATH`) for this request: its name, or "
+        'llama-server\'s `[{"id", "scale"}]` (at most one with a non-zero scale). `model: "<model>:<name>"` '
+        "does the same.",
+    )
     user: str | None = None  # ignored
 
     @property
@@ -427,6 +438,32 @@ def _check_tools(req: ChatCompletionRequest) -> None:
         raise APIError(400, "a forced tool call and another output constraint cannot be combined", param="tool_choice")
 
 
+def adapter_of(req: _Sampling, from_model: str | None, adapters: Any) -> str | None:
+    """The selectable adapter a request asks for (by ``model`` suffix and/or ``lora``), or None."""
+    names = [n for n, _, _ in adapters]
+    field: str | None = None
+    if isinstance(req.lora, str):
+        field = req.lora
+        if field not in names:
+            known = ", ".join(names) or "this server has none"
+            raise APIError(400, f"lora: no adapter named {field!r} ({known})", param="lora")
+    elif req.lora:
+        used = [r for r in req.lora if r.scale is None or r.scale != 0]
+        if len(used) > 1:
+            raise APIError(400, "lora: one adapter per request (the others with scale 0)", param="lora")
+        for r in used:
+            if r.id >= len(adapters):
+                raise APIError(400, f"lora: no adapter with id {r.id} ({len(adapters)} loaded)", param="lora")
+            name, _, scale = adapters[r.id]
+            if r.scale is not None and r.scale != scale:
+                msg = f"lora: adapter {r.id} ({name}) is applied at its loaded scale {scale:g}, not {r.scale:g}"
+                raise APIError(400, msg, param="lora")
+            field = name
+    if from_model is not None and field is not None and from_model != field:
+        raise APIError(400, f"model names adapter {from_model!r} but lora names {field!r}", param="lora")
+    return from_model if from_model is not None else field
+
+
 def constraint(req: _Sampling, tokenizer: Any) -> Constraint | None:
     """The request's output constraint, compiled once to check it (400 naming the field), or None."""
     given: list[tuple[str, Any]] = []
@@ -582,6 +619,8 @@ __all__ = [
     "ErrorResponse",
     "FunctionDef",
     "JSONSchemaFormat",
+    "LoraRef",
+    "adapter_of",
     "MessageToolCall",
     "NamedToolChoice",
     "LegacyLogprobs",

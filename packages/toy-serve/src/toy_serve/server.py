@@ -68,6 +68,7 @@ class Server:
             kv_type=s.kv_type,
             exact_batching=True,
             lora=list(s.lora) or None,
+            adapters={name: (path, scale) for name, path, scale in s.adapters} or None,
         )
 
     def adapters(self) -> list[tuple[str | None, float]]:
@@ -135,10 +136,17 @@ class Server:
             raise APIError(503, msg, type="server_error", code="model_loading" if self.status == "loading" else None)
         return self.model
 
-    def check_model(self, name: str | None) -> None:
-        if name and name not in self.names:
-            msg = f"model {name!r} is not served here (this server serves {self.settings.alias!r})"
-            raise APIError(400, msg, param="model", code="model_not_found")
+    def check_model(self, name: str | None) -> str | None:
+        """400 unless ``name`` is the served model or ``<model>:<adapter>``; returns the adapter's name or None."""
+        if not name or name in self.names:
+            return None
+        base, sep, adapter = name.rpartition(":")
+        if sep and base in self.names and any(n == adapter for n, _, _ in self.settings.adapters):
+            return adapter
+        msg = f"model {name!r} is not served here (this server serves {self.settings.alias!r}"
+        if self.settings.adapters:
+            msg += ", with adapters " + ", ".join(f"{self.settings.alias}:{n}" for n, _, _ in self.settings.adapters)
+        raise APIError(400, msg + ")", param="model", code="model_not_found")
 
     def log_request(self, rid: str, endpoint: str, status: int, stats: dict, duration: float) -> None:
         self.n_requests += 1

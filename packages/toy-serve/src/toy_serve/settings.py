@@ -31,6 +31,12 @@ Decisions:
   pairs, so a bad scale is refused here. Whether the file exists and fits
   the model is checked when the model loads (``toy serve`` checks it before
   binding the port). ``config()`` writes them as ``{"path", "scale"}``.
+- ``adapters`` holds selectable adapters, (name, path, scale): a request
+  uses one by naming it (``model: "<alias>:<name>"`` or the ``lora`` field),
+  and requests with different adapters (or none) decode in one batch
+  (``toy.engine.llm``). ``--lora NAME=PATH[:SCALE]`` adds one (a value whose
+  text before ``=`` is a name and that is not an existing file); names are
+  1-64 letters, digits, ``_``, ``-`` or ``.``, each once.
 - Connections (``toy_serve.conn``): request headers must arrive within
   ``header_timeout`` seconds (10) and a body within ``body_timeout`` (30)
   of its headers, else 408 and the connection closes; at most
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -115,6 +122,37 @@ def _lora_pairs(value: Any) -> tuple[tuple[str, float], ...]:
     return tuple(out)
 
 
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def named_spec(text: str) -> bool:
+    """Whether a ``--lora`` value is ``NAME=PATH[:SCALE]`` (a selectable adapter) rather than a path."""
+    head, sep, _ = str(text).partition("=")
+    return bool(sep) and bool(ADAPTER_NAME.fullmatch(head)) and not Path(text).exists()
+
+
+def _named_adapters(value: Any) -> tuple[tuple[str, str, float], ...]:
+    """``adapters`` as (name, path, scale): from "NAME=PATH[:SCALE]" strings or (name, path, scale) triples."""
+    out: list[tuple[str, str, float]] = []
+    for item in value or ():
+        if isinstance(item, str):
+            if not named_spec(item):
+                raise BadInputError(f"adapters: {item!r} is not NAME=PATH[:SCALE]")
+            name, _, rest = item.partition("=")
+            ((path, scale),) = _lora_pairs([rest])
+        elif isinstance(item, (tuple, list)) and len(item) == 3:
+            name = item[0]
+            ((path, scale),) = _lora_pairs([(item[1], item[2])])
+        else:
+            raise BadInputError(f"adapters: {item!r} must be 'NAME=PATH[:SCALE]' or (name, path, scale)")
+        if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
+            raise BadInputError(f"adapter name {name!r}: use 1-64 letters, digits, '_', '-' or '.'")
+        if any(n == name for n, _, _ in out):
+            raise BadInputError(f"the adapter name {name!r} is given twice")
+        out.append((name, path, scale))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything ``toy serve`` can be told. See the module docstring for the decisions."""
@@ -136,6 +174,8 @@ class Settings:
     runs_dir: str | None = None  # run bundles go to <runs_dir>/serve-...; None = $TOY_RUNS_DIR or ./runs
     model_alias: str | None = None  # the id in /v1/models; None = the file stem
     lora: tuple[tuple[str, float], ...] = ()  # LoRA adapters (path, scale); "PATH[:SCALE]" strings are parsed
+    # selectable adapters (name, path, scale), chosen per request; "NAME=PATH[:SCALE]" strings are parsed
+    adapters: tuple[tuple[str, str, float], ...] = ()
     header_timeout: float = 10.0  # seconds for a request's headers to arrive (else 408, the connection closes)
     body_timeout: float = 30.0  # seconds for a request's body to arrive after its headers (else 408)
     max_connections: int | None = None  # open connections at most (503 beyond); None = from the descriptor limit
@@ -144,6 +184,7 @@ class Settings:
         if isinstance(self.model, Path):
             object.__setattr__(self, "model", str(self.model))
         object.__setattr__(self, "lora", _lora_pairs(self.lora))
+        object.__setattr__(self, "adapters", _named_adapters(self.adapters))
         _str("model", self.model)
         _str("host", self.host)
         _int("port", self.port, 0, 65535)
@@ -195,6 +236,7 @@ class Settings:
         d = asdict(self)
         d["api_key"] = "<set>" if self.api_key else None
         d["lora"] = [{"path": p, "scale": sc} for p, sc in self.lora]
+        d["adapters"] = [{"name": n, "path": p, "scale": sc} for n, p, sc in self.adapters]
         d["alias"] = self.alias
         return d
 

@@ -13,7 +13,10 @@ loop, between steps:
 
 Exactness: the engine runs with ``exact_batching`` (every product
 row-invariant, per-sequence attention), so a token's K/V and logits depend
-only on its own context. A request's greedy output is therefore identical
+only on its own context. A job that names a selectable LoRA adapter
+(``Job.adapter``) sets its slot's adapter (``engine.slot_adapter``); a
+cached prefix is reused only from a slot whose cache was computed with the
+same adapter. A request's greedy output is therefore identical
 whatever else is in the batch, however its prompt was chunked, and whether
 its prefix came from the cache.
 
@@ -59,6 +62,7 @@ class Job:
     emit: Callable[[dict], None]
     kind: str = "generate"  # "generate" | "embed"
     prompt_logprobs: int | None = None  # echo scoring: top-n alternatives per prompt token
+    adapter: int | None = None  # the selectable LoRA adapter (engine index) this job uses; None: the base
     cancelled: threading.Event = field(default_factory=threading.Event)
     # worker state
     slot: int = -1
@@ -216,12 +220,18 @@ class EngineWorker:
         """Put a queued job into the free slot that shares the longest prefix."""
         free = [i for i, j in enumerate(self._slots) if j is None]
         cache = self.engine.cache
+        eng = self.engine
+
+        def reusable(s: int) -> int:  # a cached prefix computed with another adapter is not this job's
+            return cache.common_prefix(s, job.ids) if eng.slot_adapter[s] == job.adapter else 0
+
         if job.prompt_logprobs is None and job.kind == "generate":
-            best = max(free, key=lambda s: (cache.common_prefix(s, job.ids), -s))
-            keep = min(cache.common_prefix(best, job.ids), len(job.ids) - 1)
+            best = max(free, key=lambda s: (reusable(s), -s))
+            keep = min(reusable(best), len(job.ids) - 1)
         else:  # scoring and embeddings need every prompt position computed: nothing reused
             best, keep = free[0], 0
         cache.truncate(best, keep)
+        eng.slot_adapter[best] = job.adapter
         job.slot, job.pos, job.cached = best, keep, keep
         job.phase = "embed" if job.kind == "embed" else "prefill"
         job.t_start = time.perf_counter()

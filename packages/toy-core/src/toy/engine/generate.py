@@ -138,6 +138,8 @@ class Model:
         template,
         lora_context: toy_ggml.Context | None = None,
         adapters: Sequence[tuple[str | None, float]] = (),
+        named: Sequence[tuple[str, str | None, float]] = (),
+        named_context: toy_ggml.Context | None = None,
     ):
         self.path, self.cfg, self.runtime, self.engine = path, cfg, runtime, engine
         self._gguf, self._weights = gguf, weights
@@ -147,6 +149,19 @@ class Model:
         self._lora_context = lora_context
         #: the LoRA adapters applied, in order: (file path or None for an in-memory Adapter, user scale)
         self.adapters: list[tuple[str | None, float]] = list(adapters)
+        #: the selectable adapters, in engine order: (name, file path or None, user scale)
+        self.named_adapters: list[tuple[str, str | None, float]] = list(named)
+        self._named_context = named_context
+
+    def adapter_index(self, name: str | None) -> int | None:
+        """The engine index of the selectable adapter ``name`` (None for None: the base)."""
+        if name is None:
+            return None
+        for j, (n, _, _) in enumerate(self.named_adapters):
+            if n == name:
+                return j
+        known = ", ".join(n for n, _, _ in self.named_adapters) or "none were loaded"
+        raise BadInputError(f"no adapter named {name!r}", hint=f"adapters: {known}")
 
     # -- text <-> ids
 
@@ -216,11 +231,15 @@ class Model:
         *,
         cache_prompt: bool = False,
         special_in_content: bool = False,
+        adapter: str | None = None,
         **kw,
     ):
         """Generate a continuation: returns a ``Generation``. Sampling options
-        come as a ``SamplingParams`` and/or keyword arguments (which win)."""
-        stream = self.stream(prompt, sampling, cache_prompt=cache_prompt, special_in_content=special_in_content, **kw)
+        come as a ``SamplingParams`` and/or keyword arguments (which win).
+        ``adapter``: a selectable adapter's name (``toy.load(adapters=...)``)."""
+        stream = self.stream(
+            prompt, sampling, cache_prompt=cache_prompt, special_in_content=special_in_content, adapter=adapter, **kw
+        )
         for _ in stream:
             pass
         return stream.result
@@ -232,11 +251,13 @@ class Model:
         *,
         cache_prompt: bool = False,
         special_in_content: bool = False,
+        adapter: str | None = None,
         **kw,
     ) -> Stream:
         """Like ``generate`` but returns a ``Stream`` of text chunks. The prompt
         is checked (tokens, budget) before this returns."""
         params = self._params(sampling, kw)
+        which = self.adapter_index(adapter)
         ids = self.prompt_ids(prompt, special_in_content)
         need = len(ids) + params.max_tokens
         if need > self.n_ctx:
@@ -252,11 +273,17 @@ class Model:
 
             constrain.check(params.constraint, self.tokenizer)
         stream = Stream(iter(()))
-        stream._gen = self._run(ids, params, cache_prompt, stream)
+        stream._gen = self._run(ids, params, cache_prompt, stream, which)
         return stream
 
-    def _run(self, ids: list[int], params: SamplingParams, cache_prompt: bool, stream: Stream) -> Iterator[str]:
+    def _run(
+        self, ids: list[int], params: SamplingParams, cache_prompt: bool, stream: Stream, which: int | None = None
+    ) -> Iterator[str]:
         eng, slot = self.engine, 0
+        if eng.adapters:
+            if eng.slot_adapter[slot] != which:
+                cache_prompt = False  # cached K/V were computed with another adapter
+            eng.slot_adapter[slot] = which
         t0 = time.perf_counter()
         sampler = Sampler(params, self.cfg.n_vocab, self.tokenizer)
         stops = params.stop_token_ids(self.tokenizer.eog_ids)
@@ -345,8 +372,9 @@ class Model:
 
     def close(self) -> None:
         self.engine.close()
-        if self._lora_context is not None:
-            self._lora_context.close()  # after the engine: its graphs point at these tensors
+        for c in (self._lora_context, self._named_context):
+            if c is not None:
+                c.close()  # after the engine: its graphs point at these tensors
         self._weights.close()
         self._gguf.close()
         self.runtime.close()
@@ -506,6 +534,34 @@ def _load_lora(items, gf, runtime: toy_ggml.Runtime):
     return ctx, terms, [(str(ad.path) if ad.path is not None else None, scale) for ad, scale in adapters]
 
 
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def _named_items(adapters) -> list[tuple[str, Any, float]]:
+    """``adapters`` ({name: path, Adapter or (path, scale)}) as [(name, source, scale)]."""
+    if not adapters:
+        return []
+    if not isinstance(adapters, Mapping):
+        raise BadInputError("adapters must map names to adapter files (or (file, scale) pairs)")
+    out = []
+    for name, item in adapters.items():
+        if not isinstance(name, str) or not _ADAPTER_NAME.fullmatch(name):
+            raise BadInputError(f"adapter name {name!r}: use 1-64 letters, digits, '_', '-' or '.'")
+        ((src, scale),) = lora_items([item])
+        out.append((name, src, scale))
+    return out
+
+
+def _split_terms(terms: dict, n: int) -> list[dict]:
+    """``_load_lora``'s terms of n adapters (one context, names lora{j}.*) as one term map per adapter."""
+    per: list[dict] = [{} for _ in range(n)]
+    for name, ts in (terms or {}).items():
+        for t in ts:
+            j = int(t[0].name.split(".", 1)[0].removeprefix("lora"))
+            per[j].setdefault(name, []).append(t)
+    return per
+
+
 def _resolve(model, fetch: bool) -> Path:
     from toy import store
 
@@ -525,6 +581,7 @@ def load(
     fetch: bool = True,
     exact_batching: bool = False,
     lora=None,
+    adapters=None,
 ) -> Model:
     """Open a GGUF model of any registered architecture for generation.
 
@@ -540,7 +597,11 @@ def load(
     apply, a list of ``(path or toy.train.adapter.Adapter, scale)`` (a bare
     path or Adapter means scale 1); each adapted weight's product gains
     ``alpha/rank · scale · B (A x)``, as ``llama-cli --lora-scaled`` does.
-    ``AdapterError`` when an adapter is not one, or not for this model."""
+    ``AdapterError`` when an adapter is not one, or not for this model.
+    ``adapters``: selectable LoRA adapters, ``{name: path or Adapter or
+    (path, scale)}``; a generation uses the one it names
+    (``generate(..., adapter=name)``; the server per request), and sequences
+    with different adapters batch together (see ``toy.engine.llm``)."""
     from toy import models
     from toy.gguf import GGUFFile, bind_tensors
     from toy.tokenizer import ChatTemplate, Tokenizer
@@ -549,8 +610,9 @@ def load(
     if threads is not None and threads < 1:
         raise BadInputError(f"threads={threads} must be >= 1")
     items = lora_items(lora)
+    named_items = _named_items(adapters)
     runtime = toy_ggml.Runtime(toy_ggml.resolve_device(device), threads=threads or toy_ggml.default_threads())
-    gf = lora_ctx = weights = None
+    gf = lora_ctx = named_ctx = weights = None
     try:
         gf = GGUFFile(path)
         models.require_language_model(gf.architecture)
@@ -562,6 +624,11 @@ def load(
         if not 1 <= ctx <= limit:
             raise BadInputError(f"n_ctx={ctx} must be between 1 and the model's context length {limit}")
         lora_ctx, terms, applied = _load_lora(items, gf, runtime)
+        named_terms, named = [], []
+        if named_items:
+            named_ctx, all_terms, loaded = _load_lora([(src, sc) for _, src, sc in named_items], gf, runtime)
+            named_terms = _split_terms(all_terms, len(named_items))
+            named = [(n, p, sc) for (n, _, _), (p, sc) in zip(named_items, loaded)]
         weights = bind_tensors(gf, runtime)
         engine = LLMEngine(
             cfg,
@@ -574,17 +641,21 @@ def load(
             flash_attn,
             exact_batching=exact_batching,
             lora=terms,
+            adapters=named_terms,
         )
     except BaseException:
-        if lora_ctx is not None:
-            lora_ctx.close()
+        for c in (lora_ctx, named_ctx):
+            if c is not None:
+                c.close()
         if weights is not None:
             weights.close()
         if gf is not None:
             gf.close()
         runtime.close()
         raise
-    return Model(Path(path), cfg, gf, weights, runtime, engine, tokenizer, template, lora_ctx, applied)
+    return Model(
+        Path(path), cfg, gf, weights, runtime, engine, tokenizer, template, lora_ctx, applied, named, named_ctx
+    )
 
 
 __all__ = ["Chat", "Generation", "Model", "Stream", "check_lora", "load", "lora_items", "parse_lora_arg"]

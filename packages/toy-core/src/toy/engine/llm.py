@@ -41,6 +41,17 @@ product with that weight becomes ``W x + Σ scale · B (A x)`` (llama.cpp's
 ``build_lora_mm``; several adapters stack as several terms). A and B are
 products like any other, so the row-invariance rules above hold for them.
 
+Selectable adapters (``adapters``, optional): a list of term maps like
+``lora``, one per adapter, of which each sequence uses at most one, chosen by
+``slot_adapter[slot]`` (an index into ``adapters``, or None for the base).
+Every graph computes every selectable adapter's terms for all its rows, each
+with its input multiplied by a per-row 0/1 feed (``lsel{j}``, set from the
+rows' slots at each compute): a row multiplied by 1 gives exactly the bits
+of that adapter applied alone (x · 1 = x), a row multiplied by 0 adds an
+exact zero. So sequences with different adapters (and without one) decode in
+one graph and each gets the output it would get alone. The cost: each
+adapter's products run over every row.
+
 Sliding windows and soft-caps (Gemma): a model whose layers attend through
 different windows (``arch.windows(cfg)``) gets one mask input per window
 for every mask of a graph, each layer reading its own
@@ -129,6 +140,7 @@ class LLMEngine:
         max_graphs: int = 16,
         exact_batching: bool = False,
         lora: dict | None = None,
+        adapters: Sequence[dict] | None = None,
     ):
         if n_batch < 1:
             raise BadInputError(f"n_batch={n_batch} must be >= 1")
@@ -149,6 +161,10 @@ class LLMEngine:
         self.lora = {name: list(terms) for name, terms in (lora or {}).items() if terms} or None
         # each LoRA term adds 4 ops (A x, B (A x), scale, add) to a graph
         self._lora_ops = 4 * sum(len(t) for t in (self.lora or {}).values())
+        #: selectable adapters (see the module docstring) and the one each slot uses (None: the base)
+        self.adapters = [{n: list(t) for n, t in a.items() if t} for a in adapters or ()]
+        self.slot_adapter: list[int | None] = [None] * n_slot
+        self._lora_ops += 5 * sum(len(t) for a in self.adapters for t in a.values())
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.stats = EngineStats()
 
@@ -245,7 +261,7 @@ class LLMEngine:
         """Input tensors for a step of n tokens: tokens, pos, k_idx, v_idx,
         one mask per (rows, n_kv) in ``masks`` and window, and out_idx when
         n_out < n."""
-        cin = toy_ggml.Context(max_tensors=8 + len(masks) * len(self.windows))
+        cin = toy_ggml.Context(max_tensors=8 + len(masks) * len(self.windows) + 2 * len(self.adapters))
         mtype = F16 if self.flash_attn else F32
         feeds = {
             "tokens": cin.tensor(I32, (n,), name="tokens"),
@@ -260,9 +276,24 @@ class LLMEngine:
                 feeds[name] = cin.tensor(mtype, shape, name=name)
         if n_out < n:
             feeds["out_idx"] = cin.tensor(I32, (n_out,), name="out_idx")
+        for j in range(len(self.adapters)):
+            feeds[f"lsel{j}"] = cin.tensor(F32, (n, 1), name=f"lsel{j}")
+            if n_out < n:  # the layers after the output rows are picked (the last one) see n_out rows
+                feeds[f"lsel{j}.out"] = cin.tensor(F32, (n_out, 1), name=f"lsel{j}.out")
         cin.allocate(self.runtime)
         size = (64 + 28 * len(masks)) * self.cfg.n_layer + 256 + self._lora_ops
         return cin, feeds, toy_ggml.Context(max_tensors=size), size
+
+    def _lora_terms(self, feeds) -> dict | None:
+        """The graph's LoRA terms: the always-applied ones, then each selectable adapter's with its row feed."""
+        if not self.adapters:
+            return self.lora
+        terms = {name: list(t) for name, t in (self.lora or {}).items()}
+        for j, adapter in enumerate(self.adapters):
+            for name, ts in adapter.items():
+                rows = tuple(f for f in (feeds[f"lsel{j}"], feeds.get(f"lsel{j}.out")) if f is not None)
+                terms.setdefault(name, []).extend((a, b, s, rows) for a, b, s, _ in ts)
+        return terms
 
     def _finish(self, key, cin, feeds, ops, size, out) -> _Graph:
         out.set_output()
@@ -298,7 +329,7 @@ class LLMEngine:
             feeds.get("out_idx"),
             row_invariant=self.exact_batching,
             head=not hidden,
-            lora=self.lora,
+            lora=self._lora_terms(feeds),
         )
         return self._finish(key, cin, feeds, ops, size, out)
 
@@ -325,7 +356,14 @@ class LLMEngine:
                 return ops.reshape(ops.mul_mat(vv, kq, row_invariant=True), (S, H * D))  # (S, H, 1, D)
 
             out = self.arch.forward(
-                ops, self.cfg, self.weights, feeds["tokens"], feeds["pos"], attend, row_invariant=True, lora=self.lora
+                ops,
+                self.cfg,
+                self.weights,
+                feeds["tokens"],
+                feeds["pos"],
+                attend,
+                row_invariant=True,
+                lora=self._lora_terms(feeds),
             )
             return self._finish(key, cin, feeds, ops, size, out)
         cin, feeds, ops, size = self._new_graph(S, [(1, n) for n in n_kvs], S)
@@ -343,7 +381,14 @@ class LLMEngine:
             return a
 
         out = self.arch.forward(
-            ops, self.cfg, self.weights, feeds["tokens"], feeds["pos"], attend, row_invariant=True, lora=self.lora
+            ops,
+            self.cfg,
+            self.weights,
+            feeds["tokens"],
+            feeds["pos"],
+            attend,
+            row_invariant=True,
+            lora=self._lora_terms(feeds),
         )
         return self._finish(key, cin, feeds, ops, size, out)
 
@@ -376,6 +421,12 @@ class LLMEngine:
                 f[self._mask_name(j, w)].set(make(window))
         if out_idx is not None:
             f["out_idx"].set(out_idx)
+        if self.adapters:
+            chosen = np.array([-1 if self.slot_adapter[s] is None else self.slot_adapter[s] for s in slots])
+            for j in range(len(self.adapters)):
+                f[f"lsel{j}"].set((chosen == j).astype(np.float32).reshape(-1, 1))
+                if f"lsel{j}.out" in f:
+                    f[f"lsel{j}.out"].set((chosen[out_idx] == j).astype(np.float32).reshape(-1, 1))
         self.runtime.compute(g.graph)
         g.uses += 1
         self.stats.computes += 1

@@ -227,7 +227,11 @@ def gelu_tanh(ctx, x, how: str = "table"):
 def lora_linear(ctx, weights, lora, row_invariant: bool = False):
     """``lin(name, x)``: the product of weight ``name`` with x (T, in) plus
     its LoRA terms ``Σ scale · B (A (x ⊙ drop))`` (llama.cpp's
-    ``build_lora_mm``), the projection every architecture's forward uses."""
+    ``build_lora_mm``), the projection every architecture's forward uses.
+    ``drop`` is None, a tensor of x's shape or one that broadcasts over it
+    (training's dropout mask), or a tuple of such row masks of which the one
+    with x's row count is used (the engine's per-sequence adapter choice,
+    whose last layer may see only the output rows)."""
 
     def mm(w, x):
         return ctx.mul_mat(w, x, row_invariant=row_invariant)
@@ -235,6 +239,8 @@ def lora_linear(ctx, weights, lora, row_invariant: bool = False):
     def lin(name: str, x):
         y = mm(weights[name], x)
         for a, b, s, drop in lora.get(name, ()) if lora else ():
+            if isinstance(drop, tuple):
+                drop = next(d for d in drop if d.shape[0] == x.shape[0])
             xa = x if drop is None else ctx.mul(x, drop)
             y = ctx.add(y, ctx.scale(mm(b, mm(a, xa)), s))
         return y
