@@ -481,3 +481,127 @@ def test_serve_concurrency(record, bench_line, smollm2_path, prompts, tmp_path):
         ready_s=ready,
     )
     assert all(math.isfinite(figs["toy"][n]["agg_tok_s"]) for n in LEVELS)
+
+
+# ---------------------------------------------------------------- against llama.cpp's llama-server
+
+SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 60, "maxItems": 80}
+
+
+def llama_server_binary() -> tuple[str | None, str]:
+    """``$TOY_BENCH_LLAMA_SERVER``, else tools/build_llama_server.py's binary (built on first use)."""
+    env = os.environ.get("TOY_BENCH_LLAMA_SERVER")
+    if env:
+        return env, "TOY_BENCH_LLAMA_SERVER"
+    script = Path(__file__).resolve().parents[3] / "tools" / "build_llama_server.py"
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return None, f"tools/build_llama_server.py failed: {proc.stderr[-2000:]}"
+    return proc.stdout.strip().splitlines()[-1], "tools/build_llama_server.py"
+
+
+def run_mixed(url: str, prompts: list[list[str]], extra: dict, schema_field: dict) -> dict:
+    """run_level, with every other client's requests carrying ``schema_field`` (a JSON schema)."""
+    import httpx
+
+    results, errors, lock = [], [], threading.Lock()
+    start = threading.Barrier(len(prompts))
+
+    def client_loop(c: int, mine: list[str]) -> None:
+        try:
+            with httpx.Client() as client:
+                start.wait()
+                for p in mine:
+                    body = {"model": MODEL_ID, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+                    body.update(extra, **(schema_field if c % 2 else {}))
+                    res = stream_one(client, url, body)
+                    with lock:
+                        results.append(res)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=client_loop, args=(c, mine), daemon=True) for c, mine in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(REQUEST_TIMEOUT_S * len(prompts[0]))
+    if errors:
+        raise errors[0]
+    wall = max(r["end"] for r in results) - min(r["t0"] for r in results)
+    return {"results": results, "wall_s": wall}
+
+
+def test_serve_vs_llama_server(record, bench_line, smollm2_path, prompts, tmp_path):
+    """toy serve against llama.cpp's own llama-server (C++, ``--parallel 8 --cont-batching``), built by
+    tools/build_llama_server.py from the llama-cpp-python 0.3.36 sdist with the CPU flags of the ggml
+    variant toy loads. Same GGUF, same threads, same load as test_serve_concurrency (N = 1, 2, 4, 8 streaming
+    clients, 64-token distinct prompts, 64 new tokens, end of generation ignored on both: ``ignore_eos``),
+    the servers never running at once; then again with half the clients' requests carrying a JSON schema
+    (llama.cpp's ``json_schema`` field on both; an array of 60-80 integers, so both still generate 64
+    tokens). Targets (issue 20): toy >= 1.2x llama-server's aggregate at 2, 4, 8 streams and >= 1.0x at 1,
+    with and without schemas; p95 TTFT <= llama-server's at every level."""
+    binary, how = llama_server_binary()
+    if binary is None:
+        record("serve_vs_llama_server", figure="llama-server", value=None, unit="", peer_available=False, note=how)
+        return
+    model = str(smollm2_path)
+    extra = {"ignore_eos": True, "stream_options": {"include_usage": True}}
+    modes = {"plain": {}, "half_json_schema": {"json_schema": SCHEMA}}
+    figs: dict[str, dict[str, dict[int, dict]]] = {m: {"toy": {}, "llama-server": {}} for m in modes}
+    from toy.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_file(smollm2_path)
+    warm_texts = [tok.decode(tok.encode(f"{w} {TEXT}")[:PROMPT_TOKENS]) for w in WORDS[-10:]]
+    with tempfile.TemporaryDirectory(prefix="bench-serve-runs-") as runs_dir:
+        for key in ("toy", "llama-server"):  # one server at a time
+            port = free_port()
+            if key == "toy":
+                argv = [sys.executable, "-m", "toy_cli", "serve", model, "--port", str(port)]
+                argv += ["--threads", str(THREADS), "--parallel", str(PARALLEL), "--ctx", str(N_CTX)]
+                argv += ["--max-queue", "64", "--runs-dir", runs_dir, "--alias", MODEL_ID, "--log-level", "warning"]
+            else:
+                argv = [binary, "-m", model, "--port", str(port), "--alias", MODEL_ID, "-t", str(THREADS)]
+                argv += ["-tb", str(THREADS), "-c", str(N_CTX * PARALLEL), "--parallel", str(PARALLEL)]
+                argv += ["--cont-batching", "--no-webui"]
+            srv = Server(key, argv, port, "/health", tmp_path)
+            try:
+                srv.wait_ready()
+                warm_up(srv.url, extra, warm_texts, LEVELS)
+                run_mixed(srv.url, [[warm_texts[0]], [warm_texts[1]]], extra, modes["half_json_schema"])
+                for mode, field in modes.items():
+                    for n in LEVELS:
+                        time.sleep(SETTLE_S)
+                        load0 = os.getloadavg()[0]
+                        s = summary(run_mixed(srv.url, prompts[n], extra, field))
+                        s["loadavg_1m"] = [load0, os.getloadavg()[0]]
+                        figs[mode][key][n] = s
+                        sys.stderr.write(f"[bench serve] {key} {mode} {n} streams: {json.dumps(s)}\n")
+            finally:
+                srv.close()
+    for mode in modes:
+        for n in LEVELS:
+            t, p = figs[mode]["toy"][n], figs[mode]["llama-server"][n]
+            ratio = t["agg_tok_s"] / p["agg_tok_s"]
+            want = 1.0 if n == 1 else 1.2
+            record(
+                "serve_vs_llama_server",
+                figure=f"aggregate tokens/s, {n} streams, {mode}",
+                value=t["agg_tok_s"],
+                unit="tokens/s",
+                peer="llama-server",
+                peer_binary=how,
+                peer_value=p["agg_tok_s"],
+                ratio=ratio,
+                target=f">= {want}",
+                met=ratio >= want,
+                toy_ttft_p50_s=t["ttft_p50_s"],
+                toy_ttft_p95_s=t["ttft_p95_s"],
+                peer_ttft_p50_s=p["ttft_p50_s"],
+                peer_ttft_p95_s=p["ttft_p95_s"],
+                ttft_p95_met=t["ttft_p95_s"] <= p["ttft_p95_s"],
+                toy_finish=t["finish_reasons"],
+                peer_finish=p["finish_reasons"],
+                peer_token_count=p["token_count_source"],
+                threads=THREADS,
+                loadavg_1m=[t["loadavg_1m"], p["loadavg_1m"]],
+            )
