@@ -23,7 +23,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,23 +40,6 @@ def sdist_path() -> Path:
     if fetch_ggml.sha256(cached) != fetch_ggml.SDIST_SHA256:
         raise SystemExit(f"build_llama_server: {cached} does not have the pinned sha256")
     return cached
-
-
-def extract(sdist: Path, out: Path) -> None:
-    with tarfile.open(sdist, "r:gz") as tar:
-        for m in tar.getmembers():
-            if not m.name.startswith(PREFIX) or not (m.isfile() or m.isdir()):
-                continue
-            rel = m.name[len(PREFIX) :]
-            if not rel or rel.startswith("/") or ".." in Path(rel).parts:
-                continue
-            target = out / rel
-            if m.isdir():
-                target.mkdir(parents=True, exist_ok=True)
-                continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tar.extractfile(m) as src, open(target, "wb") as dst:
-                shutil.copyfileobj(src, dst)
 
 
 def variant_features(src: Path, tag: str) -> list[str]:
@@ -88,7 +70,7 @@ def main() -> None:
     src = base / "src"
     if not (src / "CMakeLists.txt").is_file():
         shutil.rmtree(src, ignore_errors=True)
-        extract(sdist_path(), src)
+        fetch_ggml.extract(sdist_path(), src, PREFIX)
     feats = variant_features(src, tag)
     defines = {
         "CMAKE_BUILD_TYPE": "Release",

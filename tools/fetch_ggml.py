@@ -125,15 +125,16 @@ def download(tmp: Path) -> Path:
     return path
 
 
-def extract(sdist: Path, out: Path) -> None:
+def extract(sdist: Path, out: Path, prefix: str = GGML_PREFIX) -> None:
+    """The sdist's ``prefix`` tree (default: the vendored ggml) into ``out``: plain files and folders only."""
     with tarfile.open(sdist, "r:gz") as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith(GGML_PREFIX)]
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
         if not members:
-            raise FetchError(f"{sdist.name} has no {GGML_PREFIX} tree")
+            raise FetchError(f"{sdist.name} has no {prefix} tree")
         for m in members:
             if not (m.isfile() or m.isdir()):
                 continue  # no links or devices from an archive
-            rel = m.name[len(GGML_PREFIX) :]
+            rel = m.name[len(prefix) :]
             if not rel or rel.startswith("/") or ".." in Path(rel).parts:
                 continue
             target = out / rel

@@ -213,8 +213,11 @@ def stream_one(client, url: str, body: dict) -> dict:
     }
 
 
-def run_level(url: str, prompts: list[list[str]], extra: dict, max_tokens: int = MAX_TOKENS) -> dict:
-    """len(prompts) clients, closed loop over their own prompt lists; all results and the wall time."""
+def run_level(
+    url: str, prompts: list[list[str]], extra: dict, max_tokens: int = MAX_TOKENS, odd_extra: dict | None = None
+) -> dict:
+    """len(prompts) clients, closed loop over their own prompt lists; all results and the wall time.
+    ``odd_extra``: more fields for the requests of every other client (1, 3, ...)."""
     import httpx
 
     results: list[dict] = []
@@ -222,19 +225,20 @@ def run_level(url: str, prompts: list[list[str]], extra: dict, max_tokens: int =
     lock = threading.Lock()
     start = threading.Barrier(len(prompts))
 
-    def client_loop(mine: list[str]) -> None:
+    def client_loop(c: int, mine: list[str]) -> None:
+        more = odd_extra if odd_extra and c % 2 else {}
         try:
             with httpx.Client() as client:
                 start.wait()
                 for p in mine:
                     body = {"model": MODEL_ID, "prompt": p, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-                    res = stream_one(client, url, {**body, **extra})
+                    res = stream_one(client, url, {**body, **extra, **more})
                     with lock:
                         results.append(res)
         except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
             errors.append(e)
 
-    threads = [threading.Thread(target=client_loop, args=(mine,), daemon=True) for mine in prompts]
+    threads = [threading.Thread(target=client_loop, args=(c, mine), daemon=True) for c, mine in enumerate(prompts)]
     for t in threads:
         t.start()
     for t in threads:
@@ -500,37 +504,6 @@ def llama_server_binary() -> tuple[str | None, str]:
     return proc.stdout.strip().splitlines()[-1], "tools/build_llama_server.py"
 
 
-def run_mixed(url: str, prompts: list[list[str]], extra: dict, schema_field: dict) -> dict:
-    """run_level, with every other client's requests carrying ``schema_field`` (a JSON schema)."""
-    import httpx
-
-    results, errors, lock = [], [], threading.Lock()
-    start = threading.Barrier(len(prompts))
-
-    def client_loop(c: int, mine: list[str]) -> None:
-        try:
-            with httpx.Client() as client:
-                start.wait()
-                for p in mine:
-                    body = {"model": MODEL_ID, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
-                    body.update(extra, **(schema_field if c % 2 else {}))
-                    res = stream_one(client, url, body)
-                    with lock:
-                        results.append(res)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=client_loop, args=(c, mine), daemon=True) for c, mine in enumerate(prompts)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(REQUEST_TIMEOUT_S * len(prompts[0]))
-    if errors:
-        raise errors[0]
-    wall = max(r["end"] for r in results) - min(r["t0"] for r in results)
-    return {"results": results, "wall_s": wall}
-
-
 def test_serve_vs_llama_server(record, bench_line, smollm2_path, prompts, tmp_path):
     """toy serve against llama.cpp's own llama-server (C++, ``--parallel 8 --cont-batching``), built by
     tools/build_llama_server.py from the llama-cpp-python 0.3.36 sdist with the CPU flags of the ggml
@@ -567,12 +540,12 @@ def test_serve_vs_llama_server(record, bench_line, smollm2_path, prompts, tmp_pa
             try:
                 srv.wait_ready()
                 warm_up(srv.url, extra, warm_texts, LEVELS)
-                run_mixed(srv.url, [[warm_texts[0]], [warm_texts[1]]], extra, modes["half_json_schema"])
+                run_level(srv.url, [[warm_texts[0]], [warm_texts[1]]], extra, odd_extra=modes["half_json_schema"])
                 for mode, field in modes.items():
                     for n in LEVELS:
                         time.sleep(SETTLE_S)
                         load0 = os.getloadavg()[0]
-                        s = summary(run_mixed(srv.url, prompts[n], extra, field))
+                        s = summary(run_level(srv.url, prompts[n], extra, odd_extra=field))
                         s["loadavg_1m"] = [load0, os.getloadavg()[0]]
                         figs[mode][key][n] = s
                         sys.stderr.write(f"[bench serve] {key} {mode} {n} streams: {json.dumps(s)}\n")

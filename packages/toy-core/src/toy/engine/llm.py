@@ -295,6 +295,12 @@ class LLMEngine:
                 terms.setdefault(name, []).extend((a, b, s, rows) for a, b, s, _ in ts)
         return terms
 
+    def _decode_forward(self, ops, feeds, attend):
+        """A decode graph's forward: one row per sequence, row-invariant products, logits of every row."""
+        tokens, pos = feeds["tokens"], feeds["pos"]
+        lora = self._lora_terms(feeds)
+        return self.arch.forward(ops, self.cfg, self.weights, tokens, pos, attend, row_invariant=True, lora=lora)
+
     def _finish(self, key, cin, feeds, ops, size, out) -> _Graph:
         out.set_output()
         graph = toy_ggml.Graph(ops, size=max(2048, 2 * size)).build_forward(out)
@@ -355,17 +361,7 @@ class LLMEngine:
                 kq = ops.soft_max(kq, self._layer_mask(feeds, 0, layer), scale)
                 return ops.reshape(ops.mul_mat(vv, kq, row_invariant=True), (S, H * D))  # (S, H, 1, D)
 
-            out = self.arch.forward(
-                ops,
-                self.cfg,
-                self.weights,
-                feeds["tokens"],
-                feeds["pos"],
-                attend,
-                row_invariant=True,
-                lora=self._lora_terms(feeds),
-            )
-            return self._finish(key, cin, feeds, ops, size, out)
+            return self._finish(key, cin, feeds, ops, size, self._decode_forward(ops, feeds, attend))
         cin, feeds, ops, size = self._new_graph(S, [(1, n) for n in n_kvs], S)
 
         def attend(layer, q, k, v):
@@ -380,17 +376,7 @@ class LLMEngine:
                 a = ops.concat(a, o, 0)
             return a
 
-        out = self.arch.forward(
-            ops,
-            self.cfg,
-            self.weights,
-            feeds["tokens"],
-            feeds["pos"],
-            attend,
-            row_invariant=True,
-            lora=self._lora_terms(feeds),
-        )
-        return self._finish(key, cin, feeds, ops, size, out)
+        return self._finish(key, cin, feeds, ops, size, self._decode_forward(ops, feeds, attend))
 
     # ------------------------------------------------------------------ feeds
 
