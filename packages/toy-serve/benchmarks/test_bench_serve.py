@@ -224,7 +224,8 @@ def run_level(
     url: str, prompts: list[list[str]], extra: dict, max_tokens: int = MAX_TOKENS, odd_extra: dict | None = None
 ) -> dict:
     """len(prompts) clients, closed loop over their own prompt lists; all results and the wall time.
-    ``odd_extra``: more fields for the requests of every other client (1, 3, ...)."""
+    ``odd_extra``: more fields for every other request: a client's requests 1, 3, ... (even clients) or 0,
+    2, ... (odd clients), so that about half the streams carry them at any time, also with one client."""
     import httpx
 
     results: list[dict] = []
@@ -233,11 +234,11 @@ def run_level(
     start = threading.Barrier(len(prompts))
 
     def client_loop(c: int, mine: list[str]) -> None:
-        more = odd_extra if odd_extra and c % 2 else {}
         try:
             with httpx.Client() as client:
                 start.wait()
-                for p in mine:
+                for i, p in enumerate(mine):
+                    more = odd_extra if odd_extra and (c + i) % 2 else {}
                     body = {"model": MODEL_ID, "prompt": p, "max_tokens": max_tokens, "temperature": 0, "stream": True}
                     res = stream_one(client, url, {**body, **extra, **more})
                     with lock:
@@ -516,7 +517,7 @@ def test_serve_vs_llama_server(record, bench_line, smollm2_path, tmp_path):
     tools/build_llama_server.py from the llama-cpp-python 0.3.36 sdist with the CPU flags of the ggml
     variant toy loads. Same GGUF, same threads, same load as test_serve_concurrency (N = 1, 2, 4, 8 streaming
     clients, 64-token distinct prompts, 64 new tokens, end of generation ignored on both: ``ignore_eos``),
-    the servers never running at once; then again with half the clients' requests carrying a JSON schema
+    the servers never running at once; then again with every other request carrying a JSON schema
     (llama.cpp's ``json_schema`` field on both; an array of 60-80 integers, so both still generate 64
     tokens). PEER_ROUNDS rounds (3; TOY_BENCH_PEER_ROUNDS), each starting both servers afresh, the first of
     the two alternating: one run swings by 20-40 % on a shared 2-core VM, so each figure is the median over

@@ -4,7 +4,9 @@ With the real SmolLM2-135M-Instruct: forced calls (``required``, a named
 function) carry arguments valid for the function's schema (checked with
 ``jsonschema``), greedy and sampled, streamed deltas reassemble to the plain
 message, a conversation continues after a ``tool`` result, and
-``tool_choice: "none"`` never yields a call even when the text holds one.
+``tool_choice: "none"`` never yields a call even when the text holds one, and
+a ``strict`` function constrains the calls the model writes under ``"auto"``
+(the same request without ``strict`` gives broken blocks, with it valid calls).
 The parser and the default rendering are checked on their own, and a template
 that knows tools gets them (and the history's calls) as variables.
 """
@@ -15,7 +17,7 @@ import json
 
 import pytest
 
-from toy_serve.tools import ToolParser, render_messages, template_knows_tools
+from toy_serve.tools import ToolParser, render_messages, strict_auto, template_knows_tools
 
 WEATHER = {
     "type": "function",
@@ -213,3 +215,91 @@ def test_tool_choice_none_never_calls(client, live):
         free = client.chat.completions.create(model=live.srv.settings.alias, messages=ASK, tools=TOOLS,
                                               tool_choice="none", temperature=1.0, seed=sampled, max_tokens=30)  # fmt: skip
         assert free.choices[0].message.tool_calls is None and free.choices[0].finish_reason != "tool_calls"
+
+
+# ------------------------------------------------------------------ strict functions under tool_choice "auto"
+
+
+def strict_tools(strict: bool = True) -> list[dict]:
+    return [{**t, "function": {**t["function"], "strict": strict}} for t in TOOLS]
+
+
+def walk(cons, tokenizer, text: str) -> tuple[bool, bool]:
+    """(whether every token of ``text`` was allowed, whether the constraint may end there)."""
+    from toy.engine.constrain import ConstraintError, Matcher
+
+    m = Matcher(cons, tokenizer, tokenizer.vocab_size)
+    eog = sorted(tokenizer.eog_ids)[0]
+    for t in tokenizer.encode(text, add_special=False):
+        if not m.allowed()[t]:
+            return False, False
+        try:
+            m.advance(t)
+        except ConstraintError:
+            return False, False
+    return True, bool(m.allowed()[eog])
+
+
+@pytest.mark.model
+def test_strict_auto_constraint_lets_text_through_and_holds_calls_to_the_schema(serve_model):
+    tok = serve_model.tokenizer
+    assert strict_auto(TOOLS, parallel=True) is None  # no strict function: "auto" stays free
+    one, many = strict_auto(strict_tools(), parallel=False), strict_auto(strict_tools(), parallel=True)
+    # the calls' JSON is compact (the constraint's whitespace is fixed, as for forced calls)
+    good = '<tool_call>\n{"name":"add","arguments":{"a":2,"b":3}}\n</tool_call>'
+    bad = '<tool_call>\n{"name":"add","arguments":{"a":2}}\n</tool_call>'  # "b" is required
+    loose = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Rome","unit":"kelvin"}}\n</tool_call>'
+    for cons in (one, many):
+        assert walk(cons, tok, "Any text, even <tool and tool_call> alone.") == (True, True)
+        assert walk(cons, tok, "Let me add.\n" + good) == (True, True)
+        assert walk(cons, tok, good) == (True, True)
+        assert walk(cons, tok, "Let me add.\n" + bad)[0] is False
+        assert walk(cons, tok, loose)[0] is False  # not one of the enum's units
+        assert walk(cons, tok, good + "\nand more text")[0] is False  # only calls follow a call
+    assert walk(many, tok, good + "\n" + good) == (True, True)
+    assert walk(one, tok, good + "\n" + good)[0] is False
+    # a function without strict: its calls must still name it, its arguments may be any object
+    mixed = [strict_tools()[0], ADD]
+    free_args = '<tool_call>\n{"name":"add","arguments":{"anything":[1]}}\n</tool_call>'
+    assert walk(strict_auto(mixed, parallel=True), tok, free_args) == (True, True)
+    assert walk(strict_auto(mixed, parallel=True), tok, loose)[0] is False
+
+
+# SmolLM2 answers a follow-up by echoing a <tool_response> block; with "response" banned and "call" favoured
+# (logit_bias) it opens a <tool_call> block, whose contents are garbage unless the function is strict
+FOLLOW_UP = [
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": json.dumps({"temperature": 18})},
+    {"role": "assistant", "content": "It is 18 degrees in Paris."},
+    {"role": "user", "content": "And what is the weather in Rome?"},
+]  # fmt: skip
+
+
+@pytest.mark.model
+def test_strict_function_constrains_calls_under_auto(client, live, serve_model):
+    tok = serve_model.tokenizer
+    (response,) = tok.encode("response", add_special=False)
+    (call,) = tok.encode("call", add_special=False)
+    kw = {"model": live.srv.settings.alias, "messages": FOLLOW_UP, "tool_choice": "auto", "max_tokens": 80,
+          "logit_bias": {str(response): -100, str(call): 10}}  # fmt: skip
+    loose = client.chat.completions.create(**kw, tools=strict_tools(False), temperature=0).choices[0]
+    assert loose.message.tool_calls is None and "<tool_call>" in loose.message.content  # the unconstrained block
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 1}, {"temperature": 1.0, "seed": 3}):
+        r = client.chat.completions.create(**kw, tools=strict_tools(), **sampling).choices[0]
+        assert r.finish_reason == "tool_calls" and r.message.content is None
+        check_calls(r.message)
+        one = client.chat.completions.create(**kw, tools=strict_tools(), parallel_tool_calls=False, **sampling)
+        assert len(one.choices[0].message.tool_calls) == 1
+        check_calls(one.choices[0].message)
+
+
+@pytest.mark.model
+def test_strict_function_and_another_constraint_is_a_400(client, live):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=live.srv.settings.alias, messages=ASK, tools=strict_tools(),
+                                       response_format={"type": "json_object"}, max_tokens=5)  # fmt: skip
+    assert "strict" in str(e.value) and e.value.body["param"] == "tools"

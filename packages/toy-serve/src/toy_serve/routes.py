@@ -226,6 +226,8 @@ def add_routes(app: FastAPI, srv: Server) -> None:
                 else [t for t in tools if t["function"]["name"] == body.tool_choice.function.name]
             )
             cons = T.forced_call(chosen, parallel=body.parallel_tool_calls)
+        elif mode == "auto" and (strict := T.strict_auto(tools, parallel=body.parallel_tool_calls)):
+            cons = strict
         else:
             cons = await asyncio.to_thread(S.constraint, body, model.tokenizer)
         names = {t["function"]["name"] for t in tools}

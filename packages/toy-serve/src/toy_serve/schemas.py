@@ -202,7 +202,13 @@ class FunctionDef(_Model):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="The function's name.")
     description: str | None = Field(None, description="What the function does (shown to the model).")
     parameters: dict[str, Any] | None = Field(None, description="The arguments' JSON schema (default: no arguments).")
-    strict: bool | None = Field(None, description="Accepted; arguments are constrained whenever a call is forced.")
+    strict: bool | None = Field(
+        None,
+        description=(
+            "true: under tool_choice auto, a call the model writes must follow this function's schema "
+            "(a forced call always does)."
+        ),
+    )
 
 
 class Tool(_Model):
@@ -434,8 +440,12 @@ def _check_tools(req: ChatCompletionRequest) -> None:
         msg = f"tool_choice names {req.tool_choice.function.name!r}, which is not one of the tools"
         raise APIError(400, msg, param="tool_choice")
     other = req.response_format is not None and req.response_format.type != "text"
-    if forced and (other or req.json_schema is not None or req.grammar is not None or req.regex is not None):
+    constrained = other or req.json_schema is not None or req.grammar is not None or req.regex is not None
+    if forced and constrained:
         raise APIError(400, "a forced tool call and another output constraint cannot be combined", param="tool_choice")
+    if req.tool_mode == "auto" and constrained and any(t.function.strict for t in req.tools or []):
+        msg = "a strict function (its calls are constrained) and another output constraint cannot be combined"
+        raise APIError(400, msg, param="tools")
 
 
 def adapter_of(req: _Sampling, from_model: str | None, adapters: Any) -> str | None:

@@ -26,9 +26,14 @@ Decisions:
   function force a call with a constraint (a Lark grammar: one call, or one
   or more with ``parallel_tool_calls``, each argument object constrained to
   its function's JSON schema, numbers bounded as in ``toy.engine.constrain``).
-  Under ``"auto"`` the arguments are not constrained (a function's
-  ``strict`` is only enforced when a call is forced); a block that does not
-  parse, or names no given function, stays in the text content.
+  Under ``"auto"`` a function's ``strict: true`` constrains the reply too
+  (``strict_auto``): the model may write any text, or text and then calls;
+  once it writes ``<tool_call>`` the block must be a call of a given
+  function whose arguments follow its schema when the function is strict
+  (any object when it is not), and only further calls may follow (one call
+  without ``parallel_tool_calls``). Without a strict function ``"auto"`` is
+  unconstrained; a block that does not parse, or names no given function,
+  stays in the text content.
 - Parsing: every complete ``<tool_call>...</tool_call>`` block holding a JSON
   object with a ``name`` of a given function and an ``arguments`` object
   becomes a call (``id`` ``call_<24 hex>``, ``arguments`` re-serialized as
@@ -115,12 +120,15 @@ def render_messages(messages: list[dict[str, Any]], tools: list[dict], native: b
     return out
 
 
-def call_schema(tools: list[dict]) -> dict[str, Any]:
-    """The JSON schema of one call to any of ``tools``."""
+def call_schema(tools: list[dict], strict_only: bool = False) -> dict[str, Any]:
+    """The JSON schema of one call to any of ``tools`` (``strict_only``: the arguments of a function
+    without ``strict`` are any object)."""
     options = []
     for t in tools:
         f = t["function"]
         params = f.get("parameters") or EMPTY_PARAMS
+        if strict_only and not f.get("strict"):
+            params = {"type": "object"}
         options.append({
             "type": "object",
             "properties": {"name": {"const": f["name"]}, "arguments": bounded_numbers(params)},
@@ -136,6 +144,23 @@ def forced_call(tools: list[dict], parallel: bool) -> Constraint:
     call = f'call: "{OPEN}\\n" %json {json.dumps(call_schema(tools))} "\\n{CLOSE}"'
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
     return Constraint.grammar(f"{start}\n{call}\n")
+
+
+def strict_auto(tools: list[dict], parallel: bool) -> Constraint | None:
+    """Under ``tool_choice: "auto"``: None when no function is ``strict``; else a constraint that lets the
+    model write text, or text and then calls (one, or several with ``parallel``) whose arguments follow
+    the strict functions' schemas. The text before a call is a lazy lexeme ending at ``<tool_call>``."""
+    if not any(t["function"].get("strict") for t in tools):
+        return None
+    body = f'call: "\\n" %json {json.dumps(call_schema(tools, strict_only=True))} "\\n{CLOSE}"'
+    more = f' ("\\n" "{OPEN}" call)*' if parallel else ""
+    lines = [
+        f"start: text | text_then_call call{more}",
+        "text: /(?s:.*)/",
+        f'text_then_call[stop="{OPEN}"]: /(?s:.*)/',
+        body,
+    ]
+    return Constraint.grammar("\n".join(lines) + "\n")
 
 
 def new_call_id() -> str:
