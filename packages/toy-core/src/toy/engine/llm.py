@@ -228,10 +228,9 @@ class LLMEngine:
         cache, W = self.cache, self.cache.width
         kflat = ctx.reshape(cache.k[layer], (self.n_slot * self.n_ctx, W))
         kc = ctx.set_rows(kflat, ctx.reshape(k, (n, W)), feeds["k_idx"])
-        if cache.v_trans:  # one value per row: row (slot, c, pos) of the flattened cache
+        if cache.v_trans:  # one value per row, in v's own order: row (slot, c, pos) of the flattened cache
             vflat = ctx.reshape(cache.v[layer], (self.n_slot * W * self.n_ctx, 1))
-            vt = ctx.reshape(ctx.cont(ctx.transpose(ctx.reshape(v, (n, W)))), (W * n, 1))
-            vc = ctx.set_rows(vflat, vt, feeds["v_idx"])
+            vc = ctx.set_rows(vflat, ctx.reshape(v, (n * W, 1)), feeds["v_idx"])
         else:
             vflat = ctx.reshape(cache.v[layer], (self.n_slot * self.n_ctx, W))
             vc = ctx.set_rows(vflat, ctx.reshape(v, (n, W)), feeds["k_idx"])
@@ -387,11 +386,13 @@ class LLMEngine:
         return m.astype(np.float16) if self.flash_attn else m
 
     def _v_idx(self, slots: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """Flattened V-cache rows for values laid out (W, n): entry c * n + j
-        is channel c of token j, stored at (slot_j, c, pos_j)."""
+        """Flattened V-cache rows for the step's values as they are laid out,
+        (n, W): entry j * W + c is channel c of token j, stored at (slot_j, c,
+        pos_j) (no transposed copy of V in the graph)."""
         W, C = self.cache.width, self.n_ctx
-        c = np.arange(W, dtype=np.int64)[:, None]
-        return (slots[None, :].astype(np.int64) * W * C + c * C + pos[None, :]).reshape(-1)
+        c = np.arange(W, dtype=np.int64)[None, :]
+        s, p = slots.astype(np.int64)[:, None], np.asarray(pos, np.int64)[:, None]
+        return (s * W * C + c * C + p).reshape(-1)
 
     def _run(self, g: _Graph, tokens, pos, slots, masks, out_idx=None) -> np.ndarray:
         """One compute. ``masks``: for each mask j of the graph, a function

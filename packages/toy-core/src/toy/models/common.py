@@ -108,7 +108,8 @@ def attention(ctx, q, k, v, mask, scale: float, row_invariant: bool = False, sof
     kq = ctx.soft_max(kq, mask, scale)  # (H, Tq, n_kv)
     a = ctx.mul_mat(v, kq, row_invariant=row_invariant)  # (H, Tq, D)
     H, T, D = a.shape
-    return ctx.reshape(ctx.cont(ctx.permute(a, (1, 0, 2))), (T, H * D))
+    a = ctx.permute(a, (1, 0, 2))  # (T, H, D); already laid out so for one query row (a decode step): no copy
+    return ctx.reshape(a if a.is_contiguous else ctx.cont(a), (T, H * D))
 
 
 def forward_logits(ctx, cfg, weights, tokens, pos, mask, n_tokens: int, kv_type=None):
