@@ -213,6 +213,31 @@ def test_flash_attention(rt, models, kv_type):
         e.close()
 
 
+def test_flash_attention_with_exact_batching_ignores_the_chunking(rt, models):
+    """An exact-batching engine with flash attention (toy serve --flash-attn) gives a 100-token prompt
+    the same logits and K/V whole (the attention reaches ggml's tiled kernel from 64 rows, which
+    patch 0020's switch turns off) or cut into micro-batches of 64 or 7 tokens, and the same decode
+    steps after it."""
+    m = models("gqa_untied")
+    ids = tokens(100, seed=3)
+    results = []
+    for n_batch in (512, 64, 7):
+        e = engine(m, rt, n_ctx=128, flash_attn=True, exact_batching=True, n_batch=n_batch)
+        try:
+            rows = e.prefill(0, ids, all_logits=True)
+            assert e.stats.computes == -(-len(ids) // n_batch)
+            steps = [e.decode([0], [int(np.argmax(rows[-1]))])[0]]
+            for _ in range(4):
+                steps.append(e.decode([0], [int(np.argmax(steps[-1]))])[0])
+            results.append((rows, np.stack(steps)))
+        finally:
+            e.close()
+    for rows, steps in results[1:]:
+        np.testing.assert_array_equal(rows, results[0][0])
+        np.testing.assert_array_equal(steps, results[0][1])
+    assert rel_err(results[0][0], reference(m, ids)) < TOL_F16
+
+
 def test_f16_kv_without_flash_attention(rt, models):
     m = models("gqa_untied")
     e = engine(m, rt, n_ctx=64)  # the default KV type: f16

@@ -900,6 +900,57 @@ def test_flash_attn_ext(rt, rng, case, B, Hq, Hkv, Tq, Tkv, D, Dv):
         close(got, attn_ref(q, k, v, mask, scale), rtol=1e-4, atol=1e-5)
 
 
+def test_flash_attn_row_invariant(rt, rng):
+    """``row_invariant`` (patch 0020): a query row gets the same bits alone as among 80 rows (ggml's
+    tiled kernel otherwise takes 64 rows and more) and, against 600 keys, alone as among two rows
+    (ggml otherwise splits 512 keys and more across the threads of a lone row); a row against 600
+    keys of which 500 are masked gets the bits of the same row against the 100 it sees; the results
+    are the attention (NumPy, float64)."""
+    B, Hq, Hkv, Tq, Tkv, D = 1, 4, 2, 80, 96, 64
+    q = randn(rng, B, Hq, Tq, D)
+    k = randn(rng, B, Hkv, Tkv, D).astype(np.float16)
+    v = randn(rng, B, Hkv, Tkv, D).astype(np.float16)
+    mask = _causal(Tq, Tkv, rng, np.float16)
+    scale = 1.0 / np.sqrt(D)
+
+    def fa(q, k, v, mask, ri):
+        return eval_graph(
+            rt, lambda ctx, a, b, c, m: ctx.flash_attn_ext(a, b, c, m, scale=scale, row_invariant=ri), q, k, v, mask
+        )
+
+    whole, tiled = fa(q, k, v, mask, True), fa(q, k, v, mask, False)
+    alone = np.concatenate([fa(q[:, :, i : i + 1], k, v, mask[i : i + 1], True) for i in range(Tq)], axis=1)
+    np.testing.assert_array_equal(whole, alone)
+    assert not np.array_equal(tiled, alone)  # the test reaches the kernel the switch turns off
+    ref = attn_ref(f16r(q), k, v, mask, scale)
+    bound = np.sqrt(Tkv) * 2.0**-11
+    assert rel_l2(whole, ref) < bound
+
+    # one row against 600 keys (ggml's split-key kernel without the switch) equals the row among two
+    n = 600
+    q2 = randn(rng, B, Hq, 2, D)
+    k2 = randn(rng, B, Hkv, n, D).astype(np.float16)
+    v2 = randn(rng, B, Hkv, n, D).astype(np.float16)
+    m2 = rng.uniform(-2.0, 0.0, size=(2, n)).astype(np.float16)
+    pair = fa(q2, k2, v2, m2, True)
+    np.testing.assert_array_equal(fa(q2[:, :, :1], k2, v2, m2[:1], True), pair[:, :1])
+    assert not np.array_equal(fa(q2[:, :, :1], k2, v2, m2[:1], False), pair[:, :1])  # the split kernel is reached
+    assert rel_l2(pair, attn_ref(f16r(q2), k2, v2, m2, scale)) < np.sqrt(n) * 2.0**-11
+
+    # one row against 600 keys, the last 500 masked, equals the row against its 100 keys
+    seen, total = 100, 600
+    q1 = randn(rng, B, Hq, 1, D)
+    k_long = randn(rng, B, Hkv, total, D).astype(np.float16)
+    v_long = randn(rng, B, Hkv, total, D).astype(np.float16)
+    m_long = np.full((1, total), -np.inf, np.float16)
+    m_long[:, :seen] = rng.uniform(-2.0, 0.0, size=(1, seen))
+    long = fa(q1, k_long, v_long, m_long, True)
+    short = fa(q1, k_long[:, :, :seen], v_long[:, :, :seen], m_long[:, :seen], True)
+    np.testing.assert_array_equal(long, short)
+    ref = attn_ref(f16r(q1), k_long[:, :, :seen], v_long[:, :, :seen], m_long[:, :seen], scale)
+    assert rel_l2(long, ref) < np.sqrt(seen) * 2.0**-11
+
+
 # ----------------------------------------------------------------------------- vision
 
 

@@ -605,10 +605,14 @@ cdef class Context(_ContextBase):
                                      ext_factor, attn_factor, beta_fast, beta_slow), a._ndim)
 
     def flash_attn_ext(self, Tensor q, Tensor k, Tensor v, Tensor mask=None, float scale=1.0,
-                       float max_bias=0.0, float logit_softcap=0.0):
+                       float max_bias=0.0, float logit_softcap=0.0, bint row_invariant=False):
         """Fused attention. q (B, Hq, Tq, D), k (B, Hkv, Tkv, D),
         v (B, Hkv, Tkv, Dv) (Hq a multiple of Hkv), mask F16 (.., >=Tq, Tkv)
-        -> (B, Tq, Hq, Dv) F32 (note: heads and queries swap)."""
+        -> (B, Tq, Hq, Dv) F32 (note: heads and queries swap).
+        ``row_invariant`` (CPU): each query row is summed over its keys in
+        order, skipping masked ones, whatever the number of rows or keys
+        (patch 0020: no tiled or split-key kernel), so a row's result does
+        not depend on the rows computed with it or on masked padding."""
         self._room(2)
         q._ok(); k._ok(); v._ok()
         self._use(q); self._use(k); self._use(v)
@@ -640,7 +644,10 @@ cdef class Context(_ContextBase):
             mp = mask.ptr
         elif max_bias > 0:
             raise ValueError("flash_attn_ext: ALiBi (max_bias > 0) needs a mask")
-        return self._r(ggml_flash_attn_ext(self.ptr, q.ptr, k.ptr, v.ptr, mp, scale, max_bias, logit_softcap), 4)
+        cdef ggml_tensor * r = ggml_flash_attn_ext(self.ptr, q.ptr, k.ptr, v.ptr, mp, scale, max_bias, logit_softcap)
+        if row_invariant:
+            r.op_params[4] = 1  # toy patch 0020
+        return self._r(r, 4)
 
     # ---------------------------------------------------------------- vision
 

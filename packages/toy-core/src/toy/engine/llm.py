@@ -241,7 +241,9 @@ class LLMEngine:
         scale = self.arch.attention_scale(self.cfg, layer)
         cap = self.arch.attention_softcap(self.cfg, layer)
         if self.flash_attn:
-            o = ctx.flash_attn_ext(q, k, v, mask, scale, logit_softcap=cap)  # (1, Tq, H, D)
+            # exact batching: ggml's one-row kernel (patch 0020), so a row's sums never depend on how many rows
+            # or keys came with it; otherwise ggml picks by shape, as llama.cpp does
+            o = ctx.flash_attn_ext(q, k, v, mask, scale, logit_softcap=cap, row_invariant=self.exact_batching)
             T = q.shape[1]
             return ctx.reshape(o, (T, self.cfg.n_head * self.cfg.head_dim))
         return attention(ctx, q, k, v, mask, scale, row_invariant=row_invariant, softcap=cap)
