@@ -75,6 +75,9 @@ PARALLEL = 8
 SETTLE_S = 0.5
 # rounds of the llama-server comparison (each starts both servers afresh; the figures are medians)
 PEER_ROUNDS = int(os.environ.get("TOY_BENCH_PEER_ROUNDS", "3"))
+# toy serve with --flash-attn against llama-server, whose default (-fa auto) runs flash attention on this CPU;
+# TOY_BENCH_TOY_FLASH_ATTN=0 runs toy without it
+TOY_FLASH_ATTN = os.environ.get("TOY_BENCH_TOY_FLASH_ATTN", "1") != "0"
 START_TIMEOUT_S = 180
 REQUEST_TIMEOUT_S = 120  # per request (read timeout between chunks too); a stuck stream fails the run
 MODEL_ID = "smollm2"
@@ -524,7 +527,9 @@ def test_serve_vs_llama_server(record, bench_line, smollm2_path, tmp_path):
     rounds, the ratio the median of the rounds' ratios (each pairs two runs minutes apart). Every run of a
     server gets prompts it has not seen (llama-server keeps finished prompts in RAM and skips their prefill).
     Targets (issue 20): toy >= 1.2x llama-server's aggregate at 2, 4, 8 streams and >= 1.0x at 1, with and
-    without schemas; p95 TTFT <= llama-server's at every level."""
+    without schemas; p95 TTFT <= llama-server's at every level. Both run flash attention: llama-server by its
+    default (-fa auto), toy serve with --flash-attn (its row-invariant form; TOY_BENCH_TOY_FLASH_ATTN=0 for
+    toy's default attention)."""
     binary, how = llama_server_binary()
     if binary is None:
         record("serve_vs_llama_server", figure="llama-server", value=None, unit="", peer_available=False, note=how)
@@ -557,7 +562,7 @@ def test_serve_vs_llama_server(record, bench_line, smollm2_path, tmp_path):
                     argv = [sys.executable, "-m", "toy_cli", "serve", model, "--port", str(port)]
                     argv += ["--threads", str(THREADS), "--parallel", str(PARALLEL), "--ctx", str(N_CTX)]
                     argv += ["--max-queue", "64", "--runs-dir", runs_dir, "--alias", MODEL_ID]
-                    argv += ["--log-level", "warning"]
+                    argv += ["--log-level", "warning"] + (["--flash-attn"] if TOY_FLASH_ATTN else [])
                 else:
                     argv = [binary, "-m", model, "--port", str(port), "--alias", MODEL_ID, "-t", str(THREADS)]
                     argv += ["-tb", str(THREADS), "-c", str(N_CTX * PARALLEL), "--parallel", str(PARALLEL)]
@@ -608,5 +613,7 @@ def test_serve_vs_llama_server(record, bench_line, smollm2_path, tmp_path):
                 peer_finish=sorted({f for x in p for f in x["finish_reasons"]}),
                 peer_token_count=sorted({c for x in p for c in x["token_count_source"]}),
                 threads=THREADS,
+                toy_flash_attn=TOY_FLASH_ATTN,
+                peer_flash_attn="auto (llama-server's default)",
                 loadavg_1m=[[x["loadavg_1m"] for x in t], [x["loadavg_1m"] for x in p]],
             )

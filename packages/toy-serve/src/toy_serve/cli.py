@@ -138,6 +138,14 @@ def serve(
             help="KV cache type: f16 (default) or f32 (scoring closest to `toy eval logprobs`; twice the memory).",
         ),
     ] = "f16",
+    flash_attn: Annotated[
+        bool,
+        typer.Option(
+            "--flash-attn",
+            help="ggml's fused attention (as llama-server's default), in its row-invariant form: faster decode, "
+            "outputs still independent of the batch.",
+        ),
+    ] = False,
     lora: Annotated[
         list[str] | None,
         typer.Option(
@@ -201,6 +209,7 @@ def serve(
             device=device,
             threads=threads,
             kv_type=kv_type,
+            flash_attn=flash_attn,
             drain_timeout=drain_timeout,
             header_timeout=header_timeout,
             body_timeout=body_timeout,

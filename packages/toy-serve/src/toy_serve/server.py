@@ -66,6 +66,7 @@ class Server:
             threads=s.threads,
             n_slot=s.parallel,
             kv_type=s.kv_type,
+            flash_attn=s.flash_attn,
             exact_batching=True,
             lora=list(s.lora) or None,
             adapters={name: (path, scale) for name, path, scale in s.adapters} or None,

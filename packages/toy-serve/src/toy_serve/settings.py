@@ -167,6 +167,7 @@ class Settings:
     device: str | None = None  # cpu, cuda0, ...; None = TOY_DEVICE, else auto
     threads: int | None = None  # CPU threads; None = physical cores
     kv_type: str = "f16"  # KV cache type: f16, or f32 for scoring that matches `toy eval logprobs` closely
+    flash_attn: bool = False  # ggml's fused attention, with its row-invariant kernel (outputs stay batch-independent)
     prefill_chunk: int = 128  # most prompt tokens prefilled per step (bounds the stall of running streams)
     max_body_bytes: int = 1_000_000  # larger request bodies get 413
     max_batch: int = 64  # most jobs (prompts x n, embedding inputs) per request
@@ -199,6 +200,8 @@ class Settings:
         _int("threads", self.threads, 1, optional=True)
         if self.kv_type not in ("f16", "f32"):
             raise BadInputError(f"kv_type={self.kv_type!r} must be f16 or f32")
+        if not isinstance(self.flash_attn, bool):
+            raise BadInputError(f"flash_attn={self.flash_attn!r} must be true or false")
         _int("prefill_chunk", self.prefill_chunk, 1)
         _int("max_body_bytes", self.max_body_bytes, 1024)
         _int("max_batch", self.max_batch, 1)
