@@ -13,6 +13,9 @@ Two kinds of step, both "uploads + one compute" once their graph exists:
   context, never on how the prompt was cut into chunks or which prefix was
   reused from the cache (the server needs this; single-sequence output is
   then no longer llama.cpp's to the last bit for F32/Q8_0/Q4_0 weights).
+  With ``flash_attn`` too, attention then uses ggml's one-row kernel
+  (``flash_attn_ext(row_invariant=True)``, toy-ggml patch 0020) instead of
+  the tiled and split-key kernels ggml picks by shape.
 - ``decode(slots, tokens)``: one new token for each of S sequences in one
   graph: the weight products run on (S, d) activations with
   ``row_invariant`` products (each row summed exactly as a one-row product,
