@@ -27,6 +27,19 @@ def test_every_enum_member_matches_ggml_type_name():
         assert i in known, f"ggml type {i} missing from GGMLType"
 
 
+def test_public_type_info_is_ggmls_traits():
+    """``toy_ggml.type_info`` (what toy's GGUF reader and writer use) names ggml's traits
+    and takes a member, an id or a name."""
+    for t in tg.GGMLType:
+        assert tuple(tg.type_info(t)) == _core.type_info(int(t))
+    q = tg.type_info("q4_k")
+    assert (q.name, q.block_size, q.type_size, q.is_quantized) == ("q4_K", 256, 144, True)
+    assert tg.type_info(0) == tg.type_info(tg.GGMLType.F32)
+    assert (tg.type_info(tg.GGMLType.F32).block_size, tg.type_info(tg.GGMLType.F32).type_size) == (1, 4)
+    with pytest.raises(ValueError, match="unknown ggml type id 4"):
+        tg.type_info(4)
+
+
 def test_ggmltype_parse():
     assert tg.GGMLType.parse("q8_0") is tg.GGMLType.Q8_0
     assert tg.GGMLType.parse(1) is tg.GGMLType.F16

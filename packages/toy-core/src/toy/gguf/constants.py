@@ -15,6 +15,7 @@ type u32, a u64 count and the elements; arrays may nest.
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Any
 
 import numpy as np
 
@@ -48,7 +49,7 @@ class ValueType(IntEnum):
 
 
 # fixed-size scalar types: struct code and NumPy dtype (little-endian)
-SCALAR = {
+SCALAR: dict[ValueType, tuple[str, np.dtype[Any]]] = {
     ValueType.UINT8: ("<B", np.dtype("<u1")),
     ValueType.INT8: ("<b", np.dtype("<i1")),
     ValueType.UINT16: ("<H", np.dtype("<u2")),

@@ -38,9 +38,10 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -123,7 +124,7 @@ def ftype_label(ftype: int) -> str | None:
     return name.split("_", 1)[1]
 
 
-def file_type_of(tensors) -> int:
+def file_type_of(tensors: Iterable[tuple[tuple[int, ...], GGMLType]]) -> int:
     """The ``general.file_type`` that describes a file holding ``tensors``
     ((shape, GGMLType) pairs): the type holding most parameters among the
     2-D and larger float tensors ("mostly X"), 0 (all F32) when that is F32
@@ -200,7 +201,7 @@ class QuantizeReport:
     bytes_in: int = 0
     bytes_out: int = 0
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["src"], d["dst"] = str(self.src), str(self.dst)
         return d
@@ -221,8 +222,8 @@ def _convert_tensor(gf: GGUFFile, name: str, dst_type: GGMLType) -> bytes | memo
 
 
 def quantize_model(
-    src_path: str | os.PathLike,
-    dst_path: str | os.PathLike,
+    src_path: str | os.PathLike[str],
+    dst_path: str | os.PathLike[str],
     dtype: str | int | GGMLType,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> QuantizeReport:

@@ -104,8 +104,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
-from toy_ggml import GGMLType
+from toy_ggml import GGMLType, type_info
 
 # toy's K-quant target -> the llama_ftype of llama.cpp's mix it writes
 MIX_FTYPE: dict[GGMLType, int] = {
@@ -251,9 +252,7 @@ def quantizable(name: str, shape: tuple[int, ...]) -> bool:
 
 def block_size(t: GGMLType) -> int:
     """Elements per block of ``t`` (1 for F32/F16)."""
-    from toy_ggml import _core
-
-    return _core.type_info(int(t))[1]
+    return type_info(t).block_size
 
 
 def fallback_type(ncols: int, t: GGMLType) -> GGMLType:
@@ -271,7 +270,7 @@ def use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def _first(value) -> int:
+def _first(value: Any) -> int:
     """A per-layer key's first layer (scalar or array)."""
     try:
         return int(value)
@@ -290,7 +289,7 @@ class ModelFacts:
     n_head_kv: int = 0
 
     @classmethod
-    def from_metadata(cls, metadata: Mapping) -> ModelFacts:
+    def from_metadata(cls, metadata: Mapping[str, Any]) -> ModelFacts:
         arch = str(metadata.get("general.architecture", ""))
         n_layer = metadata.get(f"{arch}.block_count")
         if n_layer is None:
@@ -388,7 +387,7 @@ def _rule_type(
     return mix
 
 
-def plan(shapes: Mapping[str, tuple[int, ...]], metadata: Mapping, target: GGMLType) -> dict[str, Choice]:
+def plan(shapes: Mapping[str, tuple[int, ...]], metadata: Mapping[str, Any], target: GGMLType) -> dict[str, Choice]:
     """The type of every tensor llama.cpp's mix for ``target`` (a key of
     ``MIX_FTYPE``) quantizes, by name; ``shapes`` maps every tensor of the
     file to its NumPy-order shape. Tensors absent from the result are kept

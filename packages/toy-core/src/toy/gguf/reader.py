@@ -22,16 +22,16 @@ import mmap
 import os
 import stat
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
 import toy_ggml
 from toy._native.gguf_scan import ScanError, index_strings, scan_pairs, scan_strings
-from toy.errors import ToyError
+from toy.errors import BadInputError
 from toy.gguf.constants import (
     DEFAULT_ALIGNMENT,
     MAGIC,
@@ -50,7 +50,7 @@ from toy.gguf.constants import (
 LAZY_STRINGS = 1024
 
 
-class StringArray(Sequence):
+class StringArray(Sequence[str]):
     """A read-only sequence of str over one bytes block (validated UTF-8),
     decoded item by item on access. Compares equal to a list of the same
     strings."""
@@ -64,23 +64,27 @@ class StringArray(Sequence):
     def __len__(self) -> int:
         return len(self._bounds)
 
-    def __getitem__(self, i):
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+    def __getitem__(self, i: int | slice) -> str | list[str]:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         a, b = self._bounds[i]
         return self._raw[a:b].decode("utf-8")
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         raw = self._raw
         for a, b in self._bounds.tolist():
             yield raw[a:b].decode("utf-8")
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         if isinstance(other, (StringArray, list, tuple)):
             return len(self) == len(other) and all(x == y for x, y in zip(self, other))
         return NotImplemented
 
-    __hash__ = None
+    __hash__ = None  # type: ignore[assignment]  # unhashable, like list (typeshed declares a method)
 
     def tolist(self) -> list[str]:
         """Every string, decoded in one native pass (``list(self)`` decodes
@@ -95,14 +99,15 @@ class StringArray(Sequence):
         try:
             return scan_pairs(self._raw, 0, len(self))[0]
         except ScanError as e:
-            return e.args[0]
+            return int(e.args[0])
 
     def __repr__(self) -> str:
         return f"StringArray({len(self)} strings)"
 
 
-class GGUFError(ToyError):
-    """A GGUF file is malformed or unsupported."""
+class GGUFError(BadInputError):
+    """A GGUF file is malformed or unsupported: bad input (the CLI exits 2,
+    the server answers 400), as the file is the user's to replace."""
 
 
 @dataclass(frozen=True)
@@ -140,10 +145,8 @@ def _ggml_type(tag: int) -> tuple[toy_ggml.GGMLType, int, int] | None:
     except ValueError:
         return None
     if tag not in _TYPE_SIZES:
-        from toy_ggml import _core
-
-        _, blck, size, _, _ = _core.type_info(tag)
-        _TYPE_SIZES[tag] = (blck, size)
+        traits = toy_ggml.type_info(t)
+        _TYPE_SIZES[tag] = (traits.block_size, traits.type_size)
     blck, size = _TYPE_SIZES[tag]
     return t, blck, size
 
@@ -166,17 +169,17 @@ class _Cursor:
         if n < 0 or self.pos + n > self.end:
             raise self.fail(f"truncated: {what} needs {n} bytes, {self.end - self.pos} left")
 
-    def scalar(self, fmt: str, size: int, what: str):
+    def scalar(self, fmt: str, size: int, what: str) -> Any:
         self.need(size, what)
         (v,) = struct.unpack_from(fmt, self.buf, self.pos)
         self.pos += size
         return v
 
     def u32(self, what: str) -> int:
-        return self.scalar("<I", 4, what)
+        return int(self.scalar("<I", 4, what))
 
     def u64(self, what: str) -> int:
-        return self.scalar("<Q", 8, what)
+        return int(self.scalar("<Q", 8, what))
 
     def string(self, what: str, limit: int | None = None) -> str:
         n = self.u64(f"length of {what}")
@@ -229,7 +232,7 @@ def _read_value(cur: _Cursor, vtype: int, key: str, depth: int = 0) -> tuple[Any
     min_size = 8 if et == ValueType.STRING else 12
     if count > left // min_size:
         raise cur.fail(f"key {key!r}: array of {count} {et.name} does not fit in the {left} bytes left")
-    items = []
+    items: list[Any] = []
     sub = TypeInfo(et)
     if et == ValueType.STRING:
         try:
@@ -254,7 +257,7 @@ class GGUFFile:
     ``with``) to release the map; bound ggml tensors keep it alive on their
     own."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         name = str(self.path)
         try:
@@ -404,19 +407,19 @@ class GGUFFile:
         view = getattr(self, "_view", None)
         if view is not None:
             view.release()
-            self._view = None
+            self._view = None  # type: ignore[assignment]  # None only once closed; an open file's is a memoryview
         m = getattr(self, "_map", None)
         if m is not None:
             try:
                 m.close()
             except BufferError:
                 pass  # still exported to bound tensors; freed when they go
-            self._map = None
+            self._map = None  # type: ignore[assignment]  # None only once closed; an open file's is an mmap
 
     def __enter__(self) -> GGUFFile:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:

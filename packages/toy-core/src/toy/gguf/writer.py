@@ -21,16 +21,20 @@ from __future__ import annotations
 import os
 import struct
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 import toy_ggml
 from toy.gguf.constants import DEFAULT_ALIGNMENT, DTYPE_TO_VALUE_TYPE, MAGIC, SCALAR, ValueType
-from toy.gguf.reader import GGUFError, TypeInfo
+from toy.gguf.reader import GGUFError, GGUFFile, TypeInfo
 
-_NP_TO_GGML = {
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
+
+_NP_TO_GGML: dict[np.dtype[Any], toy_ggml.GGMLType] = {
     np.dtype(np.float32): toy_ggml.GGMLType.F32,
     np.dtype(np.float16): toy_ggml.GGMLType.F16,
     np.dtype(np.float64): toy_ggml.GGMLType.F64,
@@ -104,7 +108,7 @@ def _encode(out: list[bytes], value: Any, info: TypeInfo, key: str) -> None:
 
 
 class GGUFWriter:
-    def __init__(self, path: str | os.PathLike, alignment: int = DEFAULT_ALIGNMENT):
+    def __init__(self, path: str | os.PathLike[str], alignment: int = DEFAULT_ALIGNMENT):
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"alignment {alignment} is not a power of two")
         self.path = Path(path)
@@ -147,7 +151,9 @@ class GGUFWriter:
         except ValueError as e:
             raise ValueError(f"tensor {name!r}: {e}") from None
 
-    def add_tensor_bytes(self, name: str, shape, dtype, data) -> None:
+    def add_tensor_bytes(
+        self, name: str, shape: Iterable[int], dtype: toy_ggml.GGMLType | int | str, data: Buffer | np.ndarray
+    ) -> None:
         """A tensor whose bytes are already in ggml layout for ``dtype``."""
         if name in self._tensors:
             raise ValueError(f"duplicate tensor name {name!r}")
@@ -157,9 +163,8 @@ class GGUFWriter:
         shape = tuple(int(d) for d in shape)
         if not 1 <= len(shape) <= 4 or any(d <= 0 for d in shape):
             raise ValueError(f"tensor {name!r}: bad shape {shape}")
-        from toy_ggml import _core
-
-        _, blck, tsize, _, _ = _core.type_info(int(gt))
+        traits = toy_ggml.type_info(gt)
+        blck, tsize = traits.block_size, traits.type_size
         if shape[-1] % blck:
             raise ValueError(
                 f"tensor {name!r}: last extent {shape[-1]} is not a multiple of the {gt.name} block {blck}"
@@ -168,7 +173,8 @@ class GGUFWriter:
         for d in shape:
             n *= d
         want = n // blck * tsize
-        mv = memoryview(data).cast("B")
+        # numpy arrays are buffers, which numpy's stubs declare (__buffer__) for Python 3.12+ only
+        mv = memoryview(data).cast("B")  # type: ignore[arg-type]
         if len(mv) != want:
             raise ValueError(f"tensor {name!r}: {len(mv)} bytes given, {gt.name} {shape} needs {want}")
         self._tensors[name] = (shape, gt, mv)
@@ -224,7 +230,9 @@ class GGUFWriter:
         return self.path
 
 
-def copy_metadata(src, writer: GGUFWriter, skip: set[str] | None = None, override: dict | None = None) -> None:
+def copy_metadata(
+    src: GGUFFile, writer: GGUFWriter, skip: set[str] | None = None, override: dict[str, Any] | None = None
+) -> None:
     """Copy every metadata key of a GGUFFile (with its on-disk type and in
     its order); ``override`` replaces the values of keys it names."""
     for key, value in src.metadata.items():

@@ -58,7 +58,7 @@ def _reason(e: OSError) -> str:
     return e.strerror or str(e)
 
 
-def check_output_dir(path: str | os.PathLike, what: str = "output folder") -> Path:
+def check_output_dir(path: str | os.PathLike[str], what: str = "output folder") -> Path:
     """``path`` as a folder that exists and takes new files; else
     ``OutputDirError`` naming ``what`` (e.g. "--out") and the path."""
     p = Path(path)
@@ -97,7 +97,7 @@ class RunLock:
     """An exclusive lock on a run folder, held until ``release()`` (or the
     process ends). Raises ``RunInUseError`` when another process holds it."""
 
-    def __init__(self, run_dir: str | os.PathLike):
+    def __init__(self, run_dir: str | os.PathLike[str]):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_NAME
         self._fd: int | None = None
@@ -141,11 +141,11 @@ class RunLock:
     def __enter__(self) -> RunLock:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 
-def lock_holder(run_dir: str | os.PathLike) -> int | None:
+def lock_holder(run_dir: str | os.PathLike[str]) -> int | None:
     """The pid of the process holding ``run_dir``'s lock, or None when nobody does; it never takes the lock.
 
     On Linux the answer comes from ``/proc/locks`` (the flock on the lock file's inode), so a dead holder's

@@ -26,20 +26,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from toy.errors import BadInputError
+from toy.errors import BadInputError, PlotUnavailableError  # PlotUnavailableError: toy_vit raises it too
 from toy.runs.reader import Run, loss_curve, lr_curve, val_curves
 
 FORMATS = (".png", ".svg", ".pdf")
 INSTALL_HINT = "pip install 'toy-cli[plot]'"
 
 
-class PlotUnavailableError(BadInputError):
-    """Plotting needs matplotlib, which is an optional extra."""
-
-
 def _matplotlib() -> Any:
     try:
-        import matplotlib
+        import matplotlib  # lazy: an optional extra (toy-cli[plot]), ~0.9 s
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as e:
@@ -54,7 +50,7 @@ def _xy(points: list[tuple[int, float | None]]) -> tuple[list[int], list[float]]
 
 def build_figure(
     runs: list[Run], *, title: str | None = None, log_loss: bool = False, size: tuple[float, float] = (9.0, 6.0)
-) -> tuple[Any, dict]:
+) -> tuple[Any, dict[str, Any]]:
     """The figure for ``runs`` and a dict of what is on it:
     ``{"runs": [ids drawn], "skipped": [ids without curves],
     "loss_axis": {"train": n, "eval": m}, "lr_axis": k}``."""
@@ -62,7 +58,7 @@ def build_figure(
     fig = Figure(figsize=size, layout="constrained")
     FigureCanvasAgg(fig)  # attaches itself to the figure
     ax_loss, ax_lr = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])
-    info: dict = {"runs": [], "skipped": [], "loss_axis": {"train": 0, "eval": 0}, "lr_axis": 0}
+    info: dict[str, Any] = {"runs": [], "skipped": [], "loss_axis": {"train": 0, "eval": 0}, "lr_axis": 0}
     for i, run in enumerate(runs):
         color = f"C{i % 10}"
         train, lr, evals = loss_curve(run), lr_curve(run), val_curves(run)
@@ -102,13 +98,13 @@ def build_figure(
 
 def plot_runs(
     runs: list[Run],
-    out_path: str | os.PathLike,
+    out_path: str | os.PathLike[str],
     *,
     title: str | None = None,
     log_loss: bool = False,
     size: tuple[float, float] = (9.0, 6.0),
     dpi: int = 100,
-) -> dict:
+) -> dict[str, Any]:
     """Draw ``runs`` (see the module doc) into ``out_path``; returns
     ``build_figure``'s dict plus ``path``, ``format`` and ``pixels``
     ([width, height] for raster output)."""

@@ -1,7 +1,7 @@
 """Reading run bundles: events, one-line summaries, curves, comparisons.
 
 A run bundle is ``<root>/<run_id>/`` with ``config.json`` and ``events.jsonl``
-(schema "toy/v1", DESIGN.md section 5). This module only reads; it never
+(schema "toy/v1", docs/concepts/architecture.md, "Runs"). This module only reads; it never
 prints. ``toy runs`` (toy-cli) is its user.
 
 Tolerance (``read_events``):
@@ -82,12 +82,12 @@ def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
-def read_events(path: str | os.PathLike) -> tuple[list[dict], list[Problem]]:
+def read_events(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], list[Problem]]:
     """All events of an events.jsonl, in order, and the lines that were bad."""
     raw = Path(path).read_bytes()
     lines = raw.split(b"\n")
     torn = lines.pop()  # b"" when the file ends with a newline
-    events: list[dict] = []
+    events: list[dict[str, Any]] = []
     problems: list[Problem] = []
     pending: Problem | None = None  # a bad line, forgiven if a resume follows
     for no, line in enumerate([*lines, torn], start=1):
@@ -133,28 +133,28 @@ class Run:
     wall_s: float | None
     n_events: int
     problems: list[Problem] = field(default_factory=list)
-    config: dict = field(default_factory=dict, repr=False)
-    start: dict = field(default_factory=dict, repr=False)  # the run_start event
-    events: list[dict] = field(default_factory=list, repr=False)
+    config: dict[str, Any] = field(default_factory=dict, repr=False)
+    start: dict[str, Any] = field(default_factory=dict, repr=False)  # the run_start event
+    events: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
-    def of(self, kind: str) -> list[dict]:
+    def of(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["kind"] == kind]
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in ("id", "kind", "model", "started_at", "steps", "final_loss", "best_val")}
         d.update(tokens_per_s=self.tokens_per_s, status=self.status, wall_s=self.wall_s, dir=str(self.dir))
         d.update(n_events=self.n_events, problems=[asdict(p) for p in self.problems])
         return d
 
 
-def _running(d: Path, start: dict) -> bool:
+def _running(d: Path, start: dict[str, Any]) -> bool:
     """A run folder with a lock file (training) is running while its lock is held; else ask its pid."""
     if (d / LOCK_NAME).exists():
         return lock_holder(d) is not None
     return _alive(start)
 
 
-def _alive(start: dict) -> bool:
+def _alive(start: dict[str, Any]) -> bool:
     pid, host = _int(start.get("pid")), start.get("host")
     if pid is None or pid <= 0 or os.name == "nt":  # os.kill(pid, 0) is not a probe on Windows
         return False
@@ -185,7 +185,7 @@ def _file(v: Any) -> str | None:
     return Path(v).name if isinstance(v, str) and v else None
 
 
-def _model(kind: str, start: dict, config: dict) -> str:
+def _model(kind: str, start: dict[str, Any], config: dict[str, Any]) -> str:
     if kind == "train":
         parts = [start["recipe"]] if isinstance(start.get("recipe"), str) else []
         if _int(start.get("n_params")):
@@ -203,11 +203,11 @@ def _model(kind: str, start: dict, config: dict) -> str:
     return f"{command}: {label}" if isinstance(command, str) and command else label
 
 
-def load_run(path: str | os.PathLike) -> Run:
+def load_run(path: str | os.PathLike[str]) -> Run:
     """Read one bundle folder; a missing or bad file is a Problem, not an error."""
     d = Path(path)
     problems: list[Problem] = []
-    events: list[dict] = []
+    events: list[dict[str, Any]] = []
     if (d / "events.jsonl").is_file():
         events, problems = read_events(d / "events.jsonl")
     else:
@@ -226,11 +226,11 @@ def load_run(path: str | os.PathLike) -> Run:
     kind = start.get("run_kind")
     if kind not in KINDS:
         kind = next((k for k in KINDS if d.name.startswith(k + "-")), "unknown")
-    end: dict | None = None
-    for e in events:
-        if e["kind"] == "run_end":
-            end = e
-        elif e["kind"] == "resume":
+    end: dict[str, Any] | None = None
+    for ev in events:
+        if ev["kind"] == "run_end":
+            end = ev
+        elif ev["kind"] == "resume":
             end = None
     status = end.get("reason") if end else None
     if status not in ("completed", "interrupted", "errored"):
@@ -252,8 +252,8 @@ def load_run(path: str | os.PathLike) -> Run:
     speeds = [_num(e.get("tokens_per_s")) for e in run.of("step")]
     if not any(s is not None for s in speeds):
         speeds = [_num(e.get("tok_s", e.get("tokens_per_s"))) for e in run.of("request")]
-    speeds = [s for s in speeds if s is not None]
-    run.tokens_per_s = statistics.median(speeds) if speeds else None
+    known = [s for s in speeds if s is not None]
+    run.tokens_per_s = statistics.median(known) if known else None
     run.wall_s = max((t for t in (_num(e.get("t")) for e in events) if t is not None), default=None)
     return run
 
@@ -265,7 +265,10 @@ def _bundles(root: Path) -> list[Path]:
 
 
 def list_runs(
-    root: str | os.PathLike | None = None, kind: str | None = None, status: str | None = None, sort: str = "started"
+    root: str | os.PathLike[str] | None = None,
+    kind: str | None = None,
+    status: str | None = None,
+    sort: str = "started",
 ) -> list[Run]:
     """The runs under ``root`` (default ``runs_dir()``), filtered and sorted
     (see SORTS: newest, lowest loss, most steps first; missing values last).
@@ -283,7 +286,7 @@ def list_runs(
     return have + [r for r in runs if key(r) is None]
 
 
-def resolve_run(arg: str | os.PathLike, root: str | os.PathLike | None = None) -> Path:
+def resolve_run(arg: str | os.PathLike[str], root: str | os.PathLike[str] | None = None) -> Path:
     """A RUN argument -> its folder: a path to a bundle (or its events.jsonl),
     else a full run id or a unique id prefix under ``root``."""
     p = Path(arg)
@@ -331,11 +334,11 @@ def lr_curve(run: Run) -> list[tuple[int, float | None]]:
 
 def val_curves(run: Run) -> dict[str, list[tuple[int, float | None]]]:
     """eval name -> (step, loss) pairs (eval events that carry a step)."""
-    names = dict.fromkeys(e.get("name") for e in run.of("eval") if isinstance(e.get("name"), str))
+    names = dict.fromkeys(e["name"] for e in run.of("eval") if isinstance(e.get("name"), str))
     return {n: c for n in names if (c := _series(run, "eval", "loss", n))}
 
 
-def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"optim": {"lr": 1}} -> {"optim.lr": 1}; lists and empty dicts are leaves."""
     out: dict[str, Any] = {}
     for k, v in d.items():
@@ -346,7 +349,7 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def compare(runs: list[Run]) -> dict:
+def compare(runs: list[Run]) -> dict[str, Any]:
     """Config keys whose values differ (``present`` marks runs lacking a key)
     and FIGURES side by side, with deltas against the first run for numbers."""
     flat = [flatten(r.config) for r in runs]
@@ -361,7 +364,7 @@ def compare(runs: list[Run]) -> dict:
     figures = []
     for name in FIGURES:
         values = [getattr(r, name) for r in runs]
-        base = values[0] if values else None
+        base: Any = values[0] if values else None
         numeric = isinstance(base, (int, float)) and not isinstance(base, bool)
         deltas = [v - base if numeric and isinstance(v, (int, float)) else None for v in values]
         figures.append({"name": name, "values": values, "deltas": deltas})
@@ -386,10 +389,10 @@ def sparkline(values: list[float | None], width: int | None = None) -> str:
     finite = [c for c in cells if c is not None]
     if not finite:
         return " " * width
-    lo, hi = min(finite), max(finite)
-    if hi == lo:
+    low, high = min(finite), max(finite)
+    if high == low:
         return "".join(" " if c is None else SPARKS[3] for c in cells)
-    return "".join(" " if c is None else SPARKS[round((c - lo) / (hi - lo) * 7)] for c in cells)
+    return "".join(" " if c is None else SPARKS[round((c - low) / (high - low) * 7)] for c in cells)
 
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Run bundles: ``runs/<run_id>/`` with ``config.json`` and ``events.jsonl``.
 
-Schema "toy/v1" (DESIGN.md section 5): one JSON object per line; every event
+Schema "toy/v1" (docs/concepts/architecture.md, "Runs"): one JSON object per line; every event
 has ``kind`` and ``t`` (seconds since the run started); the first is
 ``run_start`` (schema, run_id, started_at, host, backend, git, config and
 whatever the caller adds, e.g. model dims), the last ``run_end`` (reason:
@@ -93,7 +93,7 @@ def new_run_id(kind: str) -> str:
     return f"{kind}-{stamp}-{secrets.token_hex(2)}"
 
 
-def runs_dir(path: str | os.PathLike | None = None) -> Path:
+def runs_dir(path: str | os.PathLike[str] | None = None) -> Path:
     """Where run bundles go: ``path``, else ``$TOY_RUNS_DIR``, else ``./runs``."""
     return Path(path or os.environ.get("TOY_RUNS_DIR") or "runs")
 
@@ -105,7 +105,7 @@ class RunWriter:
         self,
         kind: str,
         config: dict[str, Any],
-        root: str | os.PathLike | None = None,
+        root: str | os.PathLike[str] | None = None,
         *,
         on_error: str | None = None,
         **start: Any,
@@ -117,7 +117,7 @@ class RunWriter:
         (self.dir / "config.json").write_text(json.dumps(_clean(config), indent=2, sort_keys=True) + "\n")
         self._t0 = time.monotonic()
         self._open(self.dir / "events.jsonl", on_error or ("degrade" if kind == "serve" else "raise"))
-        import toy_ggml
+        import toy_ggml  # lazy: ~0.3 s that reading runs (toy runs) does without
 
         self.event(
             "run_start",
@@ -134,7 +134,7 @@ class RunWriter:
         )
 
     @classmethod
-    def reopen(cls, run_dir: str | os.PathLike, *, on_error: str | None = None) -> RunWriter:
+    def reopen(cls, run_dir: str | os.PathLike[str], *, on_error: str | None = None) -> RunWriter:
         """Append to an existing run (a resumed training run): ``t`` goes on
         from the last event's time; a torn last line is completed with a
         newline first so it stays one (skipped) line. The caller writes a

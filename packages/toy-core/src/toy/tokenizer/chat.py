@@ -209,7 +209,7 @@ class ChatTemplate:
 
         def token_text(key: str) -> str:
             try:
-                i = operator.index(metadata.get(key))
+                i = operator.index(metadata.get(key))  # type: ignore[arg-type]  # None raises TypeError: caught
             except TypeError:  # missing or not an integer
                 return ""
             return tokens[i] if 0 <= i < len(tokens) else ""
@@ -267,7 +267,7 @@ class ChatTemplate:
             except Exception as e:  # a template can raise anything Python can (TypeError, ZeroDivisionError, …)
                 raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None
             finally:
-                gen.close()
+                gen.close()  # type: ignore[attr-defined]  # a generator, which jinja2 annotates as Iterator
 
     def render_protected(
         self,

@@ -23,19 +23,23 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.processors import TemplateProcessing
 
+if TYPE_CHECKING:
+    from toy.tokenizer.chat import ChatTemplate
+    from toy.tokenizer.tokenizer import Tokenizer
 
-def _text(tokenizer, token_id: int | None) -> str | None:
+
+def _text(tokenizer: Tokenizer, token_id: int | None) -> str | None:
     if token_id is None:
         return None
     return tokenizer.token_to_piece(token_id).decode("utf-8", errors="replace")
 
 
-def special_tokens(tokenizer) -> dict[str, str | None]:
+def special_tokens(tokenizer: Tokenizer) -> dict[str, str | None]:
     """bos/eos/unk/pad token texts (pad falls back to eos)."""
     eos = _text(tokenizer, tokenizer.eos_id)
     pad = _text(tokenizer, tokenizer.pad_id)
@@ -47,7 +51,7 @@ def special_tokens(tokenizer) -> dict[str, str | None]:
     }
 
 
-def tokenizer_info(tokenizer, template, n_ctx: int | None = None) -> dict[str, Any]:
+def tokenizer_info(tokenizer: Tokenizer, template: ChatTemplate, n_ctx: int | None = None) -> dict[str, Any]:
     """What ``GET /tokenizer_info`` answers (vLLM's shape, which lm-evaluation-harness reads)."""
     info: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -62,7 +66,7 @@ def tokenizer_info(tokenizer, template, n_ctx: int | None = None) -> dict[str, A
     return info
 
 
-def _with_post_processor(tokenizer) -> HFTokenizer:
+def _with_post_processor(tokenizer: Tokenizer) -> HFTokenizer:
     hf = HFTokenizer.from_str(tokenizer.hf.to_str())
     bos, eos = tokenizer.bos_id, tokenizer.eos_id
     add_bos = bool(tokenizer.add_bos) and bos is not None
@@ -78,7 +82,9 @@ def _with_post_processor(tokenizer) -> HFTokenizer:
     return hf
 
 
-def export_hf(tokenizer, template, folder: str | os.PathLike, n_ctx: int | None = None) -> list[Path]:
+def export_hf(
+    tokenizer: Tokenizer, template: ChatTemplate, folder: str | os.PathLike[str], n_ctx: int | None = None
+) -> list[Path]:
     """Write the Hugging Face tokenizer folder; returns the files written."""
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)

@@ -36,14 +36,15 @@ import contextvars
 import json
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from jinja2 import nodes
+from jinja2 import Template, nodes
+from jinja2.exceptions import SecurityError
 from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
-from jinja2.utils import pass_context
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import generate_lorem_ipsum, pass_context
 from jinja2.visitor import NodeTransformer
 
 MAX_OUTPUT = 1 << 20  # characters of output, and items/characters of anything built
@@ -112,7 +113,9 @@ class GuardedEnvironment(ImmutableSandboxedEnvironment):
             extensions=[loopcontrols, _GenerationTag],
         )
         self.max_output = max_output
-        self.concat = self._concat  # {% set %} blocks, macros and filter blocks join through this
+        # {% set %} blocks, macros and filter blocks join through this; jinja2 reads it per instance (the class
+        # attribute is "".join), so an instance attribute is how it is replaced
+        self.concat = self._concat  # type: ignore[method-assign]
         for name, func in list(self.filters.items()):
             self.filters[name] = self._guard_filter(name, func)
         self.filters["tojson"] = self._guard_filter("tojson", _tojson)
@@ -122,7 +125,7 @@ class GuardedEnvironment(ImmutableSandboxedEnvironment):
 
     # -- compile -------------------------------------------------------------
 
-    def compile_guarded(self, source: str):
+    def compile_guarded(self, source: str) -> Template:
         """Parse ``source``, route every loop and ``~`` through the guards, compile."""
         tree = self.parse(source)
         tree = _Rewrite().visit(tree)
@@ -148,7 +151,7 @@ class GuardedEnvironment(ImmutableSandboxedEnvironment):
                 elif g is not None:
                     self.check_size(_number(g), "a %-format width")
 
-    def _check_format_spec(self, fmt: str, args: tuple, kwargs: dict) -> None:
+    def _check_format_spec(self, fmt: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         for spec in _FMT_SPEC.findall(fmt):
             for num in re.findall(r"\d+", spec):
                 self.check_size(_number(num), "a format width")
@@ -207,12 +210,12 @@ class GuardedEnvironment(ImmutableSandboxedEnvironment):
         if isinstance(owner, str):
             __self._check_str_method(owner, name, args, kwargs)
         wrapped = getattr(__obj, "__wrapped__", None)  # the sandbox's str.format wrapper
-        if isinstance(getattr(wrapped, "__self__", None), str):
-            __self._check_format_spec(wrapped.__self__, args, kwargs)
+        if isinstance(fmt := getattr(wrapped, "__self__", None), str):
+            __self._check_format_spec(fmt, args, kwargs)
         rv = super().call(__context, __obj, *args, **kwargs)
         return __self._check_result(rv, f"the result of {name or 'a call'}()")
 
-    def _check_str_method(self, s: str, name: str, args: tuple, kwargs: dict) -> None:
+    def _check_str_method(self, s: str, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if name in ("center", "ljust", "rjust", "zfill") and args and isinstance(args[0], int):
             self.check_size(args[0], f"str.{name}()")
         elif name == "expandtabs":
@@ -249,7 +252,7 @@ class GuardedEnvironment(ImmutableSandboxedEnvironment):
         guarded.__name__ = f"guarded_{name}"
         return guarded
 
-    def _precheck_filter(self, name: str, value: Any, args: tuple, kwargs: dict) -> None:
+    def _precheck_filter(self, name: str, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         first = args[0] if args else None
         if name == "center":
             width = first if args else kwargs.get("width", 80)
@@ -281,8 +284,6 @@ class GuardedEnvironment(ImmutableSandboxedEnvironment):
                 raise LimitExceeded("the chat template asked tojson for an indent over 64")
 
     def _lipsum(self, n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:  # noqa: A002
-        from jinja2.utils import generate_lorem_ipsum
-
         if not all(isinstance(v, int) for v in (n, min, max)) or n > MAX_LIPSUM or max > 1000 or min > max:
             raise LimitExceeded(f"lipsum() is limited to {MAX_LIPSUM} paragraphs of at most 1000 words")
         return generate_lorem_ipsum(n=n, html=html, min=min, max=max)
@@ -295,7 +296,7 @@ class GuardedEnvironment(ImmutableSandboxedEnvironment):
             yield item
 
     @pass_context
-    def _concat_guard(self, context: Any, parts: list) -> str:
+    def _concat_guard(self, context: Any, parts: list[Any]) -> str:
         # replaces "a ~ b ~ c": check the total before joining
         strs = [str(p) for p in parts]
         self.check_size(sum(map(len, strs)), "a concatenation")
@@ -332,7 +333,7 @@ class _Rewrite(NodeTransformer):
 
 def _tojson(
     value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
-):
+) -> str:
     """``tojson`` as HF transformers defines it for chat templates (no HTML
     escaping, unlike Jinja's own)."""
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
@@ -349,5 +350,5 @@ class _GenerationTag(Extension):
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
 
-    def _render(self, caller: Any) -> str:
+    def _render(self, caller: Callable[[], str]) -> str:
         return caller()

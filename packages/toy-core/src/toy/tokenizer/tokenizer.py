@@ -51,6 +51,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from toy.gguf import GGUFFile
 from toy.tokenizer.build import build_hf_tokenizer, build_pieces
 from toy.tokenizer.vocab import ATTR_CONTROL, ATTR_UNKNOWN, TokenizerError, Vocab
 
@@ -84,10 +85,8 @@ class Tokenizer:
                 gc.enable()
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> Tokenizer:
+    def from_file(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """From a GGUF file on disk (reads the metadata only)."""
-        from toy.gguf import GGUFFile
-
         with GGUFFile(path) as f:
             return cls.from_gguf(f.metadata)
 
@@ -133,7 +132,8 @@ class Tokenizer:
         return self.vocab.tokens[self._check_id(token_id)]
 
     def token_to_id(self, token: str) -> int | None:
-        return self._hf.token_to_id(token)
+        token_id: int | None = self._hf.token_to_id(token)
+        return token_id
 
     @property
     def hf(self) -> HFTokenizer:
@@ -290,10 +290,11 @@ class Tokenizer:
         return f"Tokenizer(model={self.model!r}, pre={self.pre!r}, vocab_size={self.vocab_size})"
 
 
-def _encode_many(hf: HFTokenizer, texts: list[str]) -> list:
+def _encode_many(hf: HFTokenizer, texts: list[str]) -> list[Any]:
     # encode_batch_fast (tokenizers >= 0.21) skips offset tracking; older versions have encode_batch only
     fast = getattr(hf, "encode_batch_fast", None) or hf.encode_batch
-    return fast(texts, add_special_tokens=False)
+    encodings: list[Any] = fast(texts, add_special_tokens=False)
+    return encodings
 
 
 class IncrementalDecoder:

@@ -173,14 +173,17 @@ class Vocab:
         for name, texts in _DETECT_TEXTS.items():
             if special[name] is None:
                 # llama.cpp takes the first match in hash order; the lowest id is a stable stand-in
-                special[name] = min((by_text[t] for t in texts if t in by_text), default=None)
-                if special[name] is not None:
-                    attrs[special[name]] |= ATTR_CONTROL  # llama.cpp overrides the type of detected tokens
+                found = min((by_text[t] for t in texts if t in by_text), default=None)
+                special[name] = found
+                if found is not None:
+                    attrs[found] |= ATTR_CONTROL  # llama.cpp overrides the type of detected tokens
 
         eog = {by_text[t] for t in EOG_TEXTS if t in by_text}
         for i in eog:
             attrs[i] |= ATTR_CONTROL
-        eog.update(special[k] for k in ("eos", "eot", "eom", "fim_pad", "fim_rep", "fim_sep") if special[k] is not None)
+        eog.update(
+            tid for k in ("eos", "eot", "eom", "fim_pad", "fim_rep", "fim_sep") if (tid := special[k]) is not None
+        )
 
         add_bos = _opt_bool(metadata, "tokenizer.ggml.add_bos_token", add_bos)
         add_eos = _opt_bool(metadata, "tokenizer.ggml.add_eos_token", False)
@@ -218,7 +221,7 @@ def _tokens(metadata: Mapping[str, Any]) -> tuple[list[str], dict[str, int]]:
     by_text = {t: i for i, t in enumerate(tokens)}
     if len(by_text) != len(tokens):
         seen: set[str] = set()
-        dup = next(t for t in tokens if t in seen or seen.add(t))
+        dup = next(t for t in tokens if t in seen or seen.add(t))  # type: ignore[func-returns-value]  # add's None: go on
         raise TokenizerError(f"tokenizer.ggml.tokens holds {dup!r} more than once (llama.cpp rejects this too)")
     return tokens, by_text
 
@@ -233,7 +236,8 @@ def _str_list(metadata: Mapping[str, Any], key: str) -> list[str] | None:
     # importing it here would import toy_ggml
     reader = sys.modules.get("toy.gguf.reader")
     if reader is not None and isinstance(raw, reader.StringArray):
-        return raw.tolist()
+        strings: list[str] = raw.tolist()
+        return strings
     if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)):
         raise TokenizerError(f"{key} is not an array of strings")
     items = list(raw)
@@ -264,7 +268,8 @@ def _attrs(metadata: Mapping[str, Any], n: int) -> list[int]:
     # one table lookup for the whole array; types outside the table are undefined
     codes = types.astype(np.int64)
     known = (codes >= 0) & (codes < len(_ATTR_TABLE))
-    return np.where(known, _ATTR_TABLE[np.where(known, codes, 0)], ATTR_UNDEFINED).tolist()
+    attrs: list[int] = np.where(known, _ATTR_TABLE[np.where(known, codes, 0)], ATTR_UNDEFINED).tolist()
+    return attrs
 
 
 def _scores(metadata: Mapping[str, Any], n: int) -> np.ndarray | None:
@@ -276,7 +281,7 @@ def _merges(metadata: Mapping[str, Any]) -> list[tuple[str, str]]:
     lazy = metadata.get("tokenizer.ggml.merges")
     reader = sys.modules.get("toy.gguf.reader")
     if reader is not None and isinstance(lazy, reader.StringArray):
-        pairs = lazy.pairs()  # one native pass; the loop below only to name a bad entry
+        pairs: list[tuple[str, str]] | int = lazy.pairs()  # one native pass; the loop below only to name a bad entry
         if not isinstance(pairs, int):
             return pairs
     raw = _str_list(metadata, "tokenizer.ggml.merges")

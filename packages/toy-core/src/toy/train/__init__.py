@@ -1,16 +1,17 @@
-"""Training: the step engine, optimizer and schedules, data, checkpoints, recipes.
+"""Training: the step graphs and loop, optimizer and schedules, data, checkpoints, recipes.
 
-Modules: ``engine`` (the training step graph: loss, backward, clipping,
+Modules: ``stepgraph`` (the training step's graphs: loss, backward, clipping,
 AdamW, accumulation), ``optim`` (AdamW settings, learning-rate schedules),
-``data`` (corpus reading, token cache, packing, batches), ``instruct``
+``data`` (token cache, packing, batches; reading the corpus is ``toy.corpus``), ``instruct``
 (instruction-tuning JSONL: text, prompt/completion, chat messages with loss
 masks; packed rows), ``bpe`` (training a byte-level BPE tokenizer),
 ``checkpoint`` (GGUF checkpoints and training state), ``config`` (TOML
-configuration, size presets, recipe defaults), ``llama`` (the llama family as
-a training model: parameters, init, config), ``lora`` (LoRA/QLoRA on a frozen
-GGUF base), ``adapter`` (LoRA adapter files in llama.cpp's format),
-``merge`` (folding adapters into a model), ``recipes`` (what lora, full and
-warm-start runs set up), ``corpus`` (built-in data: Python's documentation
-topics, a generated chat set), ``loop`` (the run loop: events, progress,
-signals, resume).
+configuration, size presets, recipe defaults), ``model`` (a registered
+architecture as a training model: parameters, init, config), ``lora`` (LoRA/QLoRA on a frozen
+GGUF base; the adapter files are ``toy.adapters``), ``recipes`` (what lora,
+full and warm-start runs set up), ``demodata`` (demo data: Python's
+documentation topics, a generated chat set), ``steploop`` (the step loop any
+training task shares: events, evals, checkpoints, stopping), ``lmrun``
+(language-model runs: ``train`` and ``resume``). Merging adapters into a
+model is ``toy.merge``.
 """

@@ -1,7 +1,7 @@
 """Train a byte-level BPE tokenizer on a corpus and describe it as GGUF metadata.
 
 ``train_bpe(paths, vocab_size)`` runs HF ``tokenizers``' BPE trainer over the
-corpus that ``toy.train.data`` reads (files, folders, JSONL), streamed in
+corpus that ``toy.corpus`` reads (files, folders, JSONL), streamed in
 chunks, and returns the ``tokenizer.*`` keys a GGUF file needs so that toy
 (``Tokenizer.from_gguf``) and llama.cpp load the same tokenizer.
 
@@ -37,8 +37,9 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from toy.corpus import CHUNK_BYTES, Paths, corpus_files, iter_chunks
+from toy.errors import DataError
 from toy.gguf import TypeInfo, ValueType
-from toy.train.data import CHUNK_BYTES, DataError, Paths, _corpus_files, iter_chunks
 
 EOT_TOKEN = "<|endoftext|>"
 PRE_TOKENIZER = "gpt-2"
@@ -76,13 +77,13 @@ def train_hf_bpe(
         )
     if min_frequency < 1:
         raise DataError(f"min_frequency must be at least 1 (got {min_frequency})")
-    files = _corpus_files(paths)  # raises DataError now for a missing path, not inside the trainer
+    files = corpus_files(paths)  # raises DataError now for a missing path, not inside the trainer
     total = sum(p.stat().st_size for p in files)
     seen = {"bytes": 0, "texts": 0}
 
     def texts() -> Iterator[str]:
         # chunks cut at line breaks: pre-tokenized words, and so pair counts, are
-        # those of the whole file (see toy.train.data._safe_cut)
+        # those of the whole file (see toy.corpus._safe_cut)
         for _, text, _, nbytes in iter_chunks(files, CHUNK_BYTES):
             seen["bytes"] += nbytes
             seen["texts"] += bool(text)

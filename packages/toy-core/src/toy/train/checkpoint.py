@@ -59,6 +59,7 @@ from typing import Any
 
 import numpy as np
 
+from toy import models
 from toy.errors import BadInputError, ToyError
 from toy.gguf import GGUFFile, GGUFWriter
 from toy.gguf.constants import ValueType
@@ -99,12 +100,10 @@ def model_metadata(cfg, name: str) -> dict[str, Any]:
     llama.cpp's converter writes it: ``general.type = "model"``, the
     architecture's keys (``arch.metadata``), ``general.file_type`` 0 (all
     F32) and ``general.quantization_version``."""
-    from toy import models
-
     u32 = TypeInfo(ValueType.UINT32)
     return {
         "general.type": "model",
-        **models.of(cfg).metadata(cfg, name),
+        **models.language_model_of(cfg).metadata(cfg, name),
         "general.file_type": (0, u32),
         "general.quantization_version": (QUANT_VERSION, u32),
     }
@@ -171,7 +170,8 @@ def _crc_file(path: Path) -> int:
 
 
 def _crc_array(a: np.ndarray) -> int:
-    return zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"))
+    # numpy arrays are buffers, which numpy's stubs declare (__buffer__) for Python 3.12+ only
+    return zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"))  # type: ignore[arg-type]
 
 
 def _write(writer_fn, path: Path, step: int) -> None:
@@ -331,7 +331,7 @@ def load(folder: str | Path, step: int | None = None, *, verify: bool = True) ->
                 raise _damaged(state_path, f"tensor {n} does not match its checksum")
             optimizer[n] = a
         try:
-            state = json.loads(state_json)
+            state = json.loads(state_json)  # type: ignore[arg-type]  # None (no state) raises TypeError: caught
         except (TypeError, ValueError):
             raise _damaged(state_path, "the training state (toy.state.json) is not valid JSON") from None
     if sums is not None and _crc_file(model_path) != sums.get("model"):
@@ -363,10 +363,10 @@ def load_resumable(folder: str | Path) -> Resumable:
             continue
         ck.damaged = damaged
         return ck
-    e = damaged[0][1]
+    newest = damaged[0][1]
     others = f" (and {len(damaged) - 1} earlier one(s) are damaged too)" if len(damaged) > 1 else ""
     raise DamagedCheckpointError(
-        f"{e}; there is no earlier intact checkpoint to fall back on{others}", e.path, hint=e.hint
+        f"{newest}; there is no earlier intact checkpoint to fall back on{others}", newest.path, hint=newest.hint
     ) from None
 
 

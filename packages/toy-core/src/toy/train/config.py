@@ -24,23 +24,23 @@ All presets tie the output head to the token embedding.
 from __future__ import annotations
 
 import dataclasses
+import math
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-try:  # Python 3.11+
+# a version test rather than try/except ImportError, which mypy (checking as Python 3.10) can follow
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from toy.errors import BadInputError
+from toy import models
+from toy.errors import BadInputError, ConfigError  # ConfigError lives in toy.errors; re-exported here
 from toy.train.optim import OptimConfig
-
-
-class ConfigError(BadInputError):
-    """A configuration file or value is invalid; the message names the key."""
 
 
 @dataclass
@@ -85,11 +85,7 @@ class LoraConfig:
     def validate(self) -> LoraConfig:
         """Checks what needs no model: targets must be modules of some
         architecture (``resolved`` checks them against the model's)."""
-        import math
-
         if self.targets is not None:
-            from toy import models
-
             known = models.lora_target_names()
             bad = [t for t in self.targets if t not in known]
             if bad or not self.targets:
@@ -109,16 +105,12 @@ class LoraConfig:
 
     @property
     def scale(self) -> float:
-        import math
-
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
     def resolved(self, model_cfg) -> LoraConfig:
         """A copy with the targets named (the architecture's default when
         None), each checked against the architecture's ``lora_targets``."""
-        from toy import models
-
-        arch = models.of(model_cfg)
+        arch = models.language_model_of(model_cfg)
         targets = list(self.targets) if self.targets is not None else list(arch.lora_default)
         known = arch.lora_targets(model_cfg)
         bad = [t for t in targets if t not in known]
@@ -293,11 +285,9 @@ def override(cfg: TrainConfig, **values: Any) -> TrainConfig:
 
 def resolve_shape(shape: ModelShape) -> dict[str, Any]:
     """The model dimensions: the preset's values overridden by explicit ones."""
-    from toy import models
-
     if shape.arch not in models.families():
         raise ConfigError(f"model.arch {shape.arch!r} is not one of {', '.join(models.families())}")
-    presets = models.get(shape.arch).presets
+    presets = models.get_language_model(shape.arch).presets
     base: dict[str, Any] = {}
     if shape.preset is not None:
         if shape.preset not in presets:
@@ -371,10 +361,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         cfg.optim.validate()
     except BadInputError as e:
         raise ConfigError(f"optim.{e}") from None
-    from toy import models
-
     dims = resolve_shape(cfg.model)
-    models.get(cfg.model.arch).train_config(dims, 2, max(2, cfg.context))  # the architecture's own checks
+    arch = models.get_language_model(cfg.model.arch)
+    arch.train_config(dims, 2, max(2, cfg.context))  # the architecture's own checks
     return cfg
 
 

@@ -1,7 +1,7 @@
-"""Training data: corpus reading, the token cache, packing into windows, batches.
+"""Training data: the token cache, packing into windows, batches.
 
-Pipeline: ``iter_documents`` / ``iter_chunks`` read a corpus (files, folders,
-JSONL); ``TokenCache.build`` tokenizes it once into a flat uint32 file on disk
+Pipeline: ``toy.corpus`` reads a corpus (files, folders, JSONL) in chunks;
+``TokenCache.build`` tokenizes it once into a flat uint32 file on disk
 (memory-mapped afterwards); ``PackedData`` cuts that stream into windows of
 ``context + 1`` tokens and splits off the last windows for validation;
 ``BatchStream`` hands out training batches in a seeded, resumable order;
@@ -9,17 +9,13 @@ JSONL); ``TokenCache.build`` tokenizes it once into a flat uint32 file on disk
 
 Decisions:
 
-- A plain-text file is one document; a ``.jsonl`` line with a non-empty string
-  ``"text"`` is one document. Empty documents are skipped. Bytes are decoded as
-  UTF-8 exactly (a leading BOM is dropped, line endings are kept).
+- Documents are ``toy.corpus``'s (a plain-text file, a JSONL line's ``"text"``).
 - Every document is followed by ``eos_id`` in the token stream. Control tokens
   written in the text are parsed (``special=True``) unless the caller says not.
-- Large files are tokenized in ~1 MB chunks, cut only at a line break where
-  no pre-tokenizer piece of the byte-level BPE families toy reads can cross
-  (see ``_safe_cut``), so the ids equal those of the whole file. A stretch of
-  8 chunks without such a point is cut at a newline (or a character boundary)
-  instead, which bounds memory. SentencePiece-style ("llama") tokenizers add a
-  space prefix to every text, so their files are tokenized whole.
+- Large files are tokenized in ``toy.corpus.iter_chunks``'s ~1 MB chunks,
+  whose cuts leave the ids equal to those of the whole file.
+  SentencePiece-style ("llama") tokenizers add a space prefix to every text,
+  so their files are tokenized whole.
 - The cache key hashes the file kinds, sizes and bytes (not their names: a
   moved corpus still hits), the tokenizer's serialized form, ``eos_id``, the
   ``special`` flag and the format version.
@@ -40,201 +36,19 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from toy.errors import BadInputError
+from toy.corpus import CHUNK_BYTES, Paths, corpus_files, is_jsonl, iter_chunks, read_error
+from toy.errors import DataError
 
 FORMAT_VERSION = 1
-TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text", ".jsonl")
-CHUNK_BYTES = 1 << 20
 _BATCH_CHARS = 4 << 20  # text handed to one encode_batch call
 _TOKEN_DTYPE = np.dtype("<u4")
-
-Paths = str | os.PathLike | Iterable[str | os.PathLike]
-
-
-class DataError(BadInputError):
-    """The corpus, the cache folder or a data setting is unusable."""
-
-
-# -- reading the corpus ------------------------------------------------------
-
-
-def _corpus_files(paths: Paths) -> list[Path]:
-    """Files in reading order: given files as given, folders recursively in
-    sorted order (hidden entries skipped) keeping the TEXT_SUFFIXES files."""
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    files: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            found = []
-            for root, dirs, names in os.walk(p):
-                dirs[:] = [d for d in dirs if not d.startswith(".")]
-                found += [Path(root, n) for n in names if not n.startswith(".") and n.lower().endswith(TEXT_SUFFIXES)]
-            if not found:
-                raise DataError(f"{p}: the folder holds no {' '.join(TEXT_SUFFIXES)} files")
-            files += sorted(found, key=lambda f: f.relative_to(p).parts)
-        elif p.is_file():
-            files.append(p)
-        elif p.exists():
-            raise DataError(f"{p}: not a regular file or folder")
-        else:
-            raise DataError(f"{p}: no such file or folder")
-    if not files:
-        raise DataError("no corpus files given")
-    return files
-
-
-def _is_jsonl(path: Path) -> bool:
-    return path.name.lower().endswith(".jsonl")
-
-
-def _decode(raw: bytes, path: Path, offset: int) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not valid UTF-8 text (byte {offset + e.start})") from None
-
-
-def _read_error(path: Path, e: OSError) -> DataError:
-    return DataError(f"{path}: cannot read: {e.strerror or e}")
-
-
-def _jsonl_docs(path: Path) -> Iterator[tuple[str, str, int]]:
-    """(source, text, bytes consumed since the previous yield) per document."""
-    pending = 0
-    try:
-        with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                pending += len(raw)
-                if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                    raw = raw[3:]
-                if not raw.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    obj = json.loads(raw.decode("utf-8"))
-                except UnicodeDecodeError:
-                    raise DataError(f"{where}: not valid UTF-8") from None
-                except ValueError as e:
-                    raise DataError(f"{where}: not valid JSON ({e})") from None
-                if not isinstance(obj, dict):
-                    raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-                if "text" not in obj:
-                    raise DataError(f'{where}: the object has no "text" field')
-                text = obj["text"]
-                if not isinstance(text, str):
-                    raise DataError(f'{where}: "text" is {type(text).__name__}, not a string')
-                if text:
-                    yield where, text, pending
-                    pending = 0
-    except OSError as e:
-        raise _read_error(path, e) from None
-
-
-def _is_alnum(byte: int) -> bool:
-    return 0x30 <= byte <= 0x39 or 0x41 <= byte <= 0x5A or 0x61 <= byte <= 0x7A
-
-
-def _safe_cut(buf: bytearray) -> int:
-    """The last index where the text can be cut without changing its tokens
-    (0 if none): after a newline that has printable ASCII on both sides, or
-    before a line break (LF or CRLF) that follows an ASCII letter or digit. At
-    both points every pre-tokenizer regex toy knows ends a piece, and none of
-    its look-aheads reaches across."""
-    i = buf.rfind(b"\n", 0, len(buf) - 1)
-    while i > 0:
-        if 0x21 <= buf[i - 1] <= 0x7E and 0x21 <= buf[i + 1] <= 0x7E:
-            return i + 1
-        j = i - 1 if buf[i - 1] == 0x0D else i
-        if j > 0 and _is_alnum(buf[j - 1]):
-            return j
-        i = buf.rfind(b"\n", 0, i)
-    return 0
-
-
-def _fallback_cut(buf: bytearray) -> int:
-    """After the last newline, else before the last character (never inside a
-    UTF-8 sequence)."""
-    i = buf.rfind(b"\n")
-    if i >= 0:
-        return i + 1
-    cut = len(buf) - 1
-    while cut > 0 and 0x80 <= buf[cut] < 0xC0:
-        cut -= 1
-    return cut or len(buf)
-
-
-def _text_chunks(path: Path, chunk_bytes: int | None) -> Iterator[tuple[str, bool, int]]:
-    """(text, is the file's last chunk, bytes) for a plain-text file, cut near
-    every ``chunk_bytes`` (None: the whole file at once); nothing for a file
-    without text."""
-    buf = bytearray()
-    offset, any_text, first = 0, False, True
-    try:
-        with open(path, "rb") as f:
-            while True:
-                block = f.read(chunk_bytes or -1)
-                if first and block.startswith(b"\xef\xbb\xbf"):
-                    block, offset = block[3:], 3
-                first = False
-                buf += block
-                if block and chunk_bytes and len(buf) < chunk_bytes:
-                    continue
-                if not block or not chunk_bytes:
-                    cut, last = len(buf), True
-                else:
-                    cut, last = _safe_cut(buf), False
-                    if not cut:
-                        if len(buf) < 8 * chunk_bytes:
-                            continue
-                        cut = _fallback_cut(buf)
-                text = _decode(bytes(buf[:cut]), path, offset)
-                del buf[:cut]
-                offset += cut
-                if last:
-                    if text or any_text:
-                        yield text, True, cut
-                    return
-                any_text = any_text or bool(text)
-                yield text, False, cut
-    except OSError as e:
-        raise _read_error(path, e) from None
-
-
-def iter_chunks(paths: Paths, chunk_bytes: int | None = CHUNK_BYTES) -> Iterator[tuple[str, str, bool, int]]:
-    """(source, text, ends a document, bytes read) with bounded memory: a
-    JSONL document is one chunk, a plain-text file one or more."""
-    for path in _corpus_files(paths):
-        if _is_jsonl(path):
-            for source, text, nbytes in _jsonl_docs(path):
-                yield source, text, True, nbytes
-        else:
-            for text, last, nbytes in _text_chunks(path, chunk_bytes):
-                yield str(path), text, last, nbytes
-
-
-def iter_documents(paths: Paths) -> Iterator[tuple[str, str]]:
-    """(source, text) for every non-empty document of the corpus."""
-    for path in _corpus_files(paths):
-        if _is_jsonl(path):
-            for source, text, _ in _jsonl_docs(path):
-                yield source, text
-            continue
-        try:
-            raw = path.read_bytes()
-        except OSError as e:
-            raise _read_error(path, e) from None
-        skip = 3 if raw.startswith(b"\xef\xbb\xbf") else 0
-        text = _decode(raw[skip:], path, skip)
-        if text:
-            yield str(path), text
 
 
 # -- the token cache ----------------------------------------------------------
@@ -251,11 +65,11 @@ def _cache_key(files: list[Path], tokenizer: Any, eos_id: int, special: bool) ->
     for path in files:
         try:
             with open(path, "rb") as f:
-                h.update(f"\0{'jsonl' if _is_jsonl(path) else 'text'}:{os.fstat(f.fileno()).st_size}\0".encode())
+                h.update(f"\0{'jsonl' if is_jsonl(path) else 'text'}:{os.fstat(f.fileno()).st_size}\0".encode())
                 while block := f.read(CHUNK_BYTES):
                     h.update(block)
         except OSError as e:
-            raise _read_error(path, e) from None
+            raise read_error(path, e) from None
     return h.hexdigest()
 
 
@@ -265,7 +79,7 @@ def _stat(files: list[Path]) -> list[tuple[int, int]]:
         try:
             st = f.stat()
         except OSError as e:
-            raise _read_error(f, e) from None
+            raise read_error(f, e) from None
         out.append((st.st_size, st.st_mtime_ns))
     return out
 
@@ -364,7 +178,7 @@ class TokenCache:
         """Tokenize ``paths`` into ``cache_dir`` (reused when the key matches)."""
         if not 0 <= eos_id < tokenizer.vocab_size:
             raise DataError(f"eos_id {eos_id} is outside the vocabulary [0, {tokenizer.vocab_size})")
-        files = _corpus_files(paths)
+        files = corpus_files(paths)
         before = _stat(files)
         key = _cache_key(files, tokenizer, eos_id, special)
         cache_dir = Path(cache_dir)
@@ -595,7 +409,7 @@ def validation_batches(data: PackedData, batch_size: int, max_batches: int | Non
     if batch_size < 1:
         raise DataError(f"batch size must be at least 1 (got {batch_size})")
     windows = list(range(data.n_train, data.n_windows))
-    out = []
+    out: list[Batch] = []
     for start in range(0, len(windows), batch_size):
         if max_batches is not None and len(out) >= max_batches:
             break

@@ -54,7 +54,9 @@ from typing import Any
 
 import numpy as np
 
-from toy.train.data import Batch, DataError, Paths
+from toy.corpus import Paths
+from toy.errors import DataError
+from toy.train.data import Batch
 
 KINDS = ("text", "prompt_completion", "messages")
 _KEYS = {"text": {"text"}, "prompt_completion": {"prompt", "completion"}, "messages": {"messages"}}
@@ -275,6 +277,7 @@ def load_examples(
         raise DataError(f'overflow must be "truncate" or "drop" (got {overflow!r})')
     if max_length < 2:
         raise DataError(f"max_length must be at least 2 (got {max_length})")
+    kinds: Counter[str]
     enc, stats, out, kinds, lengths = _Encoder(tokenizer, template, special_in_content), Stats(), [], Counter(), []
     given = [Path(paths)] if isinstance(paths, (str, os.PathLike)) else [Path(p) for p in paths]
     for path in (f for p in given for f in (sorted(p.rglob("*.jsonl")) if p.is_dir() else [p])):
@@ -419,6 +422,7 @@ def check_file(
     problem (line 0: the whole file), since training refuses it."""
     enc = _Encoder(tokenizer, template, special_in_content)
     report = CheckReport(path=str(path), max_length=int(max_length))
+    kinds: Counter[str]
     examples, kinds = [], Counter()
     for line, ex in _read(Path(path), enc):
         if isinstance(ex, str):

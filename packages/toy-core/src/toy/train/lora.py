@@ -43,14 +43,14 @@ from toy import models
 from toy.errors import BadInputError
 from toy.models.common import forward_batch
 from toy.train.config import LoraConfig as LoraSettings  # the [lora] table of a run's config
-from toy.train.engine import BatchInputs, ParamSpec, TokenFeed
+from toy.train.stepgraph import BatchInputs, ParamSpec, TokenFeed
 
 F32 = toy_ggml.GGMLType.F32
 
 
-def targets_of(cfg) -> dict:
+def targets_of(cfg) -> Mapping[str, models.LoraTarget]:
     """The architecture's LoRA targets: name -> ``LoraTarget``."""
-    return models.of(cfg).lora_targets(cfg)
+    return models.language_model_of(cfg).lora_targets(cfg)
 
 
 def adapted_weights(cfg, targets: list[str]) -> list[str]:
@@ -63,7 +63,9 @@ def adapted_weights(cfg, targets: list[str]) -> list[str]:
 def lora_shapes(base_shapes: Mapping[str, tuple[int, ...]], cfg, s: LoraSettings) -> dict[str, tuple[int, int]]:
     """Parameter name -> shape: ``<W>.lora_a`` (r, in), ``<W>.lora_b`` (out, r)."""
     out = {}
-    for w in adapted_weights(cfg, s.resolved(cfg).targets):
+    targets = s.resolved(cfg).targets
+    assert targets is not None  # resolved() names them
+    for w in adapted_weights(cfg, targets):
         if w not in base_shapes:
             raise BadInputError(f"the base model has no {w} to adapt")
         o, i = base_shapes[w]
@@ -114,6 +116,7 @@ class LoraTrain:
                 raise ValueError("dropout needs the runtime to hold its masks")
             n = batch * context
             known = targets_of(cfg)
+            assert self.settings.targets is not None  # resolved() names them
             width = {known[t].site: known[t].d_in for t in self.settings.targets}
             self._mask_ctx = toy_ggml.Context(max_tensors=len(width) * cfg.n_layer + 4)
             for i in range(cfg.n_layer):
@@ -128,6 +131,7 @@ class LoraTrain:
         s = self.settings
         known = targets_of(self.cfg)
         lora: dict[str, list] = {}
+        assert s.targets is not None  # resolved() names them
         for i in range(self.cfg.n_layer):
             for t in s.targets:
                 w = f"blk.{i}.{known[t].stem}.weight"
@@ -150,6 +154,7 @@ class LoraTrain:
 
     def adapter_pairs(self, values: Mapping[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Parameter values -> {weight name: (A, B)} for ``save_adapter``."""
+        assert self.settings.targets is not None  # resolved() names them
         return {
             w: (values[f"{w}.lora_a"], values[f"{w}.lora_b"]) for w in adapted_weights(self.cfg, self.settings.targets)
         }

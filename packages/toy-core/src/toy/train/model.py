@@ -26,7 +26,8 @@ import numpy as np
 import toy_ggml
 from toy import models
 from toy.models.common import forward_batch
-from toy.train.engine import BatchInputs, ParamSpec, TokenFeed
+from toy.train.config import resolve_shape
+from toy.train.stepgraph import BatchInputs, ParamSpec, TokenFeed
 
 
 class ArchTrain:
@@ -60,9 +61,7 @@ def model_config(shape, n_vocab: int, context: int) -> Any:
     """The config a from-scratch run trains: ``shape`` a
     ``toy.train.config.ModelShape`` (its ``arch``, preset and/or dimensions),
     the context length = the training context."""
-    from toy.train.config import resolve_shape
-
-    return models.get(shape.arch).train_config(resolve_shape(shape), n_vocab, context)
+    return models.get_language_model(shape.arch).train_config(resolve_shape(shape), n_vocab, context)
 
 
 def init_params(cfg, seed: int, std: float = 0.02) -> dict[str, np.ndarray]:

@@ -1,7 +1,7 @@
 """AdamW settings and learning-rate schedules.
 
 The optimizer itself runs inside the training graph (ggml's
-``opt_step_adamw``, see ``toy.train.engine``); this module holds its
+``opt_step_adamw``, see ``toy.train.stepgraph``); this module holds its
 settings and computes the per-step values the graph reads: the learning rate
 from the schedule and AdamW's bias corrections.
 

@@ -8,7 +8,7 @@ values and how a checkpoint's model file is written.
 - ``lora``: the base GGUF (``base``) bound zero-copy and frozen — quantized
   weights stay quantized (QLoRA) — plus LoRA parameters
   (``toy.train.lora``); instruction data (``toy.train.instruct``); each
-  checkpoint's model file is the adapter (``toy.train.adapter``), which
+  checkpoint's model file is the adapter (``toy.adapters``), which
   llama.cpp's ``--lora`` and ``toy infer --lora`` load.
 - ``full``: every weight of the base trainable, from an F32 copy
   (quantized tensors are dequantized, and the run says so in a ``note``
@@ -35,6 +35,7 @@ d > D the extra columns stay random.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,8 +43,16 @@ from typing import Any
 
 import numpy as np
 
+from toy import models, store
+from toy.adapters import save_adapter
 from toy.errors import BadInputError, ToyError
+from toy.gguf import GGUFFile, GGUFWriter, TypeInfo, ValueType, bind_tensors, copy_metadata
+from toy.tokenizer import ChatTemplate, Tokenizer
+from toy.train.checkpoint import tokenizer_metadata_of
 from toy.train.config import TrainConfig
+from toy.train.instruct import InstructData, load_examples
+from toy.train.lora import LoraTrain, adapted_weights, init_lora
+from toy.train.model import ArchTrain, init_params
 
 
 @dataclass
@@ -69,9 +78,7 @@ class Setup:
 
 
 def _open_base(cfg: TrainConfig, ckpt_state: dict | None):
-    from toy import store
-    from toy.gguf import GGUFFile
-
+    assert cfg.base is not None  # validate(): every recipe but from-scratch has a base
     path = Path(store.resolve_or_fetch(cfg.base))
     sha = store.sha256_file(path)
     if ckpt_state is not None and ckpt_state.get("base_sha256") not in (None, sha):
@@ -83,8 +90,6 @@ def _open_base(cfg: TrainConfig, ckpt_state: dict | None):
 
 
 def _instruct_data(cfg: TrainConfig, tokenizer, template) -> tuple[Any, dict[str, Any]]:
-    from toy.train.instruct import InstructData, load_examples
-
     if not cfg.data.paths:
         raise BadInputError("no training data: give JSONL files (data.paths)")
     max_length = cfg.data.max_length or cfg.context + 1
@@ -126,9 +131,6 @@ def data_note(info: dict[str, Any]) -> str:
 
 
 def _base_tokenizer(gf):
-    from toy.tokenizer import ChatTemplate, Tokenizer
-    from toy.train.checkpoint import tokenizer_metadata_of
-
     meta = tokenizer_metadata_of(gf)
     if "tokenizer.ggml.tokens" not in meta:
         raise ToyError(f"{gf.path}: has no tokenizer")
@@ -162,9 +164,6 @@ class _Base:
 
 
 def _prepare(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> _Base:
-    from toy import models
-    from toy.gguf import bind_tensors
-
     path, sha, gf = _open_base(cfg, ckpt_state)
     closers: list[Callable[[], None]] = [gf.close]
     try:
@@ -185,9 +184,6 @@ def _prepare(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> _Base:
 
 
 def setup_lora(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> Setup:
-    from toy.train.adapter import save_adapter
-    from toy.train.lora import LoraTrain, adapted_weights, init_lora
-
     b = _prepare(cfg, runtime, ckpt_state)
     path, sha, gf, model_cfg, closers = b.path, b.sha, b.gf, b.model_cfg, b.closers
     tokenizer, meta, data, info = b.tokenizer, b.meta, b.data, b.info
@@ -206,7 +202,9 @@ def setup_lora(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> Setup:
         b.close()
         raise
     lc = model.settings  # the targets resolved for this architecture
-    types = sorted({gf.tensors[w].dtype.name for w in adapted_weights(model_cfg, lc.targets)})
+    targets = lc.targets
+    assert targets is not None  # resolved() names them
+    types = sorted({gf.tensors[w].dtype.name for w in adapted_weights(model_cfg, targets)})
     arch = model_cfg.architecture
 
     def write(p: Path, values: dict[str, np.ndarray], step: int, run_id: str) -> None:
@@ -217,7 +215,7 @@ def setup_lora(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> Setup:
             alpha=lc.alpha,
             rank=lc.rank,
             rslora=lc.rslora,
-            targets=list(lc.targets),
+            targets=list(targets),
             dropout=lc.dropout,
             base=path.name,
             name=f"toy LoRA {run_id} step {step}",
@@ -238,15 +236,11 @@ def setup_lora(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> Setup:
 
 
 def setup_full(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> Setup:
-    from toy import models
-    from toy.gguf import GGUFWriter, TypeInfo, ValueType, copy_metadata
-    from toy.train.model import ArchTrain
-
     b = _prepare(cfg, runtime, ckpt_state)
     path, sha, gf, model_cfg, closers = b.path, b.sha, b.gf, b.model_cfg, b.closers
     tokenizer, meta, data, info = b.tokenizer, b.meta, b.data, b.info
     try:
-        arch = models.of(model_cfg)
+        arch = models.language_model_of(model_cfg)
         infos = arch.params(model_cfg)
         shapes = {n: p.shape for n, p in infos.items()}
         frozen_names: set[str] = set()
@@ -317,9 +311,6 @@ def project_embedding(donor: np.ndarray, width: int, how: str, std: float, rng) 
 def warm_start_params(cfg: TrainConfig, model_cfg, gf, seed: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Starting values: random (as from scratch), then the donor's embedding
     (projected) and the donor's blocks where every tensor's shape matches."""
-    from toy import models
-    from toy.train.model import init_params
-
     donor_cfg = models.config_from_gguf(gf)
     arch = models.of(model_cfg)
     if models.of(donor_cfg) is not arch:
@@ -366,15 +357,13 @@ def warm_start_params(cfg: TrainConfig, model_cfg, gf, seed: int) -> tuple[dict[
             copied.append(i)
         else:
             skipped.append(i)
-    info = {"embedding": how, "blocks_copied": copied, "blocks_skipped_shape": skipped}
+    info: dict[str, Any] = {"embedding": how, "blocks_copied": copied, "blocks_skipped_shape": skipped}
     if positions:
         info["positions"] = positions
     return params, info
 
 
 def _dims(model_cfg) -> dict[str, Any]:
-    import dataclasses
-
     return dataclasses.asdict(model_cfg)
 
 

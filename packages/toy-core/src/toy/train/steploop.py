@@ -1,7 +1,7 @@
 """The step loop every training task shares: steps, events, evals,
 checkpoints, stopping, errors, and reopening a run to resume it.
 
-A task (the language-model runs of ``toy.train.loop``; toy-vit's image
+A task (the language-model runs of ``toy.train.lmrun``; toy-vit's image
 classifier) subclasses ``StepRun`` and sets up, in its ``__init__``:
 
 - ``cfg``: an object with ``steps``, ``grad_accum``, ``eval_every``,
@@ -21,7 +21,7 @@ needs besides weights and moments: config, data cursor, RNG, counters) and
 say how the model file is written). ``close()`` frees what it set up
 (the engine, the runtime, and anything more it overrides).
 
-``run()`` is the loop (its contract is ``toy.train.loop``'s docstring:
+``run()`` is the loop (its contract is ``toy.train.lmrun``'s docstring:
 stop polling, divergence, the final eval and checkpoint, ``run_end`` with
 completed | interrupted | errored, an OSError as ``TrainingIOError`` naming
 the file and the last good checkpoint).
@@ -39,11 +39,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from toy.errors import ToyError
+from toy.runs.folder import RunLock
 from toy.train import checkpoint
 from toy.train.optim import lr_at
+
+if TYPE_CHECKING:
+    import toy_ggml
+    from toy.runs import RunWriter
+    from toy.train.stepgraph import TrainEngine
 
 
 class TrainingDivergedError(ToyError):
@@ -84,6 +90,15 @@ class StepRun:
     unit = "tokens"
     per_step = 0
     eval_at_start = False  # fine-tunes: the base model's validation loss at step 0
+    # what the loop reads, set by the task's __init__
+    cfg: Any  # the task's training config (steps, grad_accum, keep_checkpoints, optim, ...)
+    hooks: Hooks
+    lock: RunLock | None
+    runtime: toy_ggml.Runtime
+    engine: TrainEngine
+    stream: Any  # the batch stream: next() and epoch
+    seen: int  # units (``unit``) trained on so far
+    writer: RunWriter
 
     def init_counters(self, ckpt: checkpoint.Resumable | None) -> None:
         self.ckpt_dir = self.writer.dir / "checkpoints"
@@ -242,8 +257,6 @@ def open_for_resume(run_dir: str | Path):
     (``RunInUseError`` while another process runs it), orphaned temporary
     files removed, damaged newer checkpoints set aside, the newest intact
     one loaded. The caller releases the lock if it does not go on."""
-    from toy.runs.folder import RunLock
-
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise checkpoint.CheckpointError(f"{run_dir}: no such run folder")

@@ -1,8 +1,10 @@
-"""The training run: tokenizer, data, model, the step loop, events, checkpoints.
+"""Language-model training runs: ``train`` and ``resume`` (tokenizer, data,
+model, events, checkpoints) over the shared step loop of ``toy.train.steploop``.
 
-``train(cfg, hooks)`` starts a from-scratch run; ``resume(run_dir, hooks)``
-continues one from its latest checkpoint. Both write the run bundle
-(DESIGN.md section 5) through ``toy.runs.RunWriter``:
+``train(cfg, hooks)`` starts a run (from scratch or a recipe); ``resume(run_dir,
+hooks)`` continues one from its latest checkpoint, handing a run of another
+distribution's task (toy-vit) to that task. Both write the run bundle (schema
+"toy/v1", see docs/concepts/architecture.md) through ``toy.runs.RunWriter``:
 
 - ``run_start``: config, model dims and parameter count, data statistics
   (tokens, windows, the unigram baseline in nats/token), tokenizer source;
@@ -65,16 +67,25 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+import toy_ggml
+from toy import store
 from toy.errors import BadInputError, ToyError
-from toy.train import checkpoint
-from toy.train.config import TrainConfig, from_dict, to_dict
-from toy.train.engine import TrainEngine
+from toy.gguf import GGUFFile
+from toy.runs import RunWriter, runs_dir
+from toy.runs.folder import RunLock, check_output_dir
+from toy.tokenizer import Tokenizer
+from toy.train import checkpoint, recipes
+from toy.train import data as D
+from toy.train.bpe import METADATA_TYPES, train_bpe
+from toy.train.config import TrainConfig, from_dict, to_dict, validate
 from toy.train.model import ArchTrain, init_params, model_config
+from toy.train.stepgraph import TrainEngine
 from toy.train.steploop import (
     Hooks,
     RunResult,
@@ -86,8 +97,6 @@ from toy.train.steploop import (
 
 
 def _threads(n: int | None) -> int:
-    import toy_ggml
-
     return n or toy_ggml.default_threads()
 
 
@@ -95,20 +104,16 @@ def _tokenizer(cfg: TrainConfig, hooks: Hooks) -> tuple[dict[str, Any], str]:
     """(tokenizer.* metadata, description of where it came from)."""
     source = cfg.tokenizer.model or (cfg.base if cfg.recipe == "warm-start" else None)
     if source:
-        from toy import store
-        from toy.gguf import GGUFFile
-
         path = store.resolve_or_fetch(source)
         with GGUFFile(path) as gf:
             meta = checkpoint.tokenizer_metadata_of(gf)
         if "tokenizer.ggml.tokens" not in meta:
             raise ToyError(f"{path}: has no tokenizer to take")
         return meta, f"model:{path}"
-    from toy.train.bpe import METADATA_TYPES, train_bpe
-
     if hooks.note:
         hooks.note(f"training a {cfg.tokenizer.vocab_size}-token byte-level BPE tokenizer on the corpus")
-    prog = (lambda d, t: hooks.phase("training tokenizer", d, t)) if hooks.phase else None
+    on_phase = hooks.phase
+    prog = (lambda d, t: on_phase("training tokenizer", d, t)) if on_phase else None
     meta = train_bpe(cfg.data.paths, cfg.tokenizer.vocab_size, progress=prog)
     # llama.cpp reads the special token ids as UINT32 only
     meta = {k: (v, METADATA_TYPES[k]) if k in METADATA_TYPES else v for k, v in meta.items()}
@@ -139,11 +144,6 @@ class _Run(StepRun):
         lock=None,
         notes: list[str] | None = None,
     ):
-        import toy_ggml
-        from toy.runs import RunWriter, runs_dir
-        from toy.runs.folder import RunLock
-        from toy.train import data as D
-
         self.cfg, self.hooks = cfg, hooks
         self.lock = lock  # a resume takes it before reading the checkpoint
         self.runtime = toy_ggml.Runtime(
@@ -153,8 +153,6 @@ class _Run(StepRun):
         st = ckpt.state if ckpt else {}
         try:
             if cfg.recipe in ("lora", "full"):
-                from toy.train import recipes
-
                 make = recipes.setup_lora if cfg.recipe == "lora" else recipes.setup_full
                 s = self.setup = make(cfg, self.runtime, st if ckpt else None)
                 self.tok_meta, self.tokenizer, tok_source = s.tok_meta, s.tokenizer, s.tok_source
@@ -189,6 +187,7 @@ class _Run(StepRun):
         self.tok_source = tok_source
         try:
             if ckpt:
+                assert resume_from is not None  # a checkpoint comes with the run folder it resumes
                 self.writer = RunWriter.reopen(resume_from)
                 self.writer.event("resume", from_step=ckpt.step, checkpoint=ckpt.model_path.name)
             else:
@@ -229,10 +228,6 @@ class _Run(StepRun):
     def _text_setup(self, cfg: TrainConfig, hooks: Hooks, ckpt):
         """Tokenizer, token cache and packed windows of a text corpus, and the
         model's starting values: from-scratch and warm-start runs."""
-        from toy.store import toy_home
-        from toy.tokenizer import Tokenizer
-        from toy.train import data as D
-
         if ckpt is not None:
             tok_meta, tok_source = ckpt.tokenizer_metadata, ckpt.state.get("tokenizer_source", "checkpoint")
         else:
@@ -242,8 +237,9 @@ class _Run(StepRun):
         self.tok_meta = tok_meta
         self.tokenizer = Tokenizer.from_gguf(_plain(tok_meta))
         eos = _doc_separator(self.tokenizer)
-        cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else toy_home() / "cache" / "tokens"
-        prog = (lambda d, t: hooks.phase("tokenizing corpus", d, t)) if hooks.phase else None
+        cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else store.toy_home() / "cache" / "tokens"
+        on_phase = hooks.phase
+        prog = (lambda d, t: on_phase("tokenizing corpus", d, t)) if on_phase else None
         self.cache = D.TokenCache.build(cfg.data.paths, self.tokenizer, eos_id=eos, cache_dir=cache_dir, progress=prog)
         self.data = D.PackedData(
             self.cache, cfg.context, val_fraction=cfg.data.val_fraction, block_causal=cfg.data.block_causal
@@ -253,13 +249,10 @@ class _Run(StepRun):
         if ckpt is not None:
             params = ckpt.params
         elif cfg.recipe == "warm-start":
-            from toy import store
-            from toy.gguf import GGUFFile
-            from toy.train.recipes import warm_start_params
-
+            assert cfg.base is not None  # validate(): every recipe but from-scratch has a base
             donor = store.resolve_or_fetch(cfg.base)
             with GGUFFile(donor) as gf:
-                params, facts = warm_start_params(cfg, self.model_cfg, gf, cfg.seed)
+                params, facts = recipes.warm_start_params(cfg, self.model_cfg, gf, cfg.seed)
             extra["warm_start"] = {"donor": str(donor), **facts}
         else:
             params = init_params(self.model_cfg, cfg.seed)
@@ -309,8 +302,6 @@ class _Run(StepRun):
         self.writer.event("sample", step=self.engine.step, prompt=prompt, text=self.tokenizer.decode(out), greedy=True)
 
     def stream_peek(self):
-        from toy.train import data as D
-
         return D.BatchStream(self.data, self.cfg.batch_size, self.cfg.seed).next()
 
     def state(self) -> dict[str, Any]:
@@ -340,10 +331,6 @@ class _Run(StepRun):
 def train(cfg: TrainConfig, hooks: Hooks | None = None) -> RunResult:
     """Train a llama-family model from scratch as ``cfg`` says. Data paths
     are recorded absolute, so ``resume`` works from any folder."""
-    from toy.runs import runs_dir
-    from toy.runs.folder import check_output_dir
-    from toy.train.config import validate
-
     cfg = validate(cfg)
     check_output_dir(runs_dir(cfg.out), "runs folder (out)")  # before the tokenizer is trained
     data = dataclasses.replace(cfg.data, paths=[str(Path(p).expanduser().absolute()) for p in cfg.data.paths])
@@ -383,8 +370,6 @@ def _task(name: str, run_dir: Path):
     registers in the ``toy.train_tasks`` entry-point group (``vit``:
     toy-vit). It takes over the lock: ``f(run_dir, hooks, *, lock, ckpt,
     notes, steps)``."""
-    from importlib.metadata import entry_points
-
     for ep in entry_points(group="toy.train_tasks"):
         if ep.name == name:
             return ep.load()

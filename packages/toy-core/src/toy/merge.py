@@ -1,5 +1,10 @@
 """Merge LoRA adapters into a base model's weights (``toy merge``).
 
+A workflow over the whole library (the top layer of toy-core, see
+``docs/concepts/architecture.md``): it reads adapters (``toy.adapters``),
+writes and re-quantizes GGUF, and checks the result with the engine and
+``toy.eval``.
+
 ``merge_adapters(base, [(adapter, scale), ...], out)`` writes a plain model
 that needs no adapter at inference:
 
@@ -52,7 +57,15 @@ from typing import Any
 
 import numpy as np
 
+from toy import models
+from toy.adapters import read_adapters
+from toy.engine.generate import load
 from toy.errors import BadInputError
+from toy.eval.score import compare, text_ids, window_logits
+from toy.gguf import GGUFFile, GGUFWriter, TypeInfo, ValueType, copy_metadata, quantize_model
+from toy.gguf.convert import file_type_of, parse_target
+from toy.store import resolve_model
+from toy_ggml import GGMLType
 
 # (phase, done, total): phase is "merging", "quantizing" or "checking"
 Progress = Callable[[str, int, int], None]
@@ -118,14 +131,7 @@ class MergeReport:
 
 def _adapters(items, gf) -> list[tuple[Any, float]]:
     """(Adapter, user scale) of each item (a path, an Adapter, or a pair), checked against ``gf``."""
-    from toy.engine.generate import check_lora, lora_items
-    from toy.train.adapter import Adapter, load_adapter
-
-    out = []
-    for src, scale in lora_items(items):
-        ad = src if isinstance(src, Adapter) else load_adapter(src)
-        check_lora(ad, gf)
-        out.append((ad, scale))
+    out = read_adapters(items, gf)
     if not out:
         raise BadInputError("no adapter to merge", hint="pass at least one (adapter.gguf, scale)")
     return out
@@ -149,10 +155,6 @@ def merged_weights(gf, adapters: Sequence[tuple[Any, float]]) -> dict[str, np.nd
 
 
 def _write_merge(gf, merged: dict[str, np.ndarray], path: Path, report: MergeReport, progress) -> None:
-    from toy.gguf import GGUFWriter, TypeInfo, ValueType, copy_metadata
-    from toy.gguf.convert import file_type_of
-    from toy_ggml import GGMLType
-
     writer = GGUFWriter(path, alignment=gf.alignment)
     written = [(info.shape, GGMLType.F32 if name in merged else info.dtype) for name, info in gf.tensors.items()]
     ftype = file_type_of(written)
@@ -176,8 +178,6 @@ def _write_merge(gf, merged: dict[str, np.ndarray], path: Path, report: MergeRep
 
 
 def _sample_ids(model, sample) -> tuple[str, list[int]]:
-    from toy.eval.score import text_ids
-
     limit = min(MAX_SAMPLE, model.n_ctx)
     if sample is not None and not isinstance(sample, str):
         ids = [int(i) for i in sample]
@@ -202,18 +202,13 @@ def measure_drift(
     progress: Progress | None = None,
 ) -> MergeDrift:
     """The merged file against the base with the adapters (see the module docstring)."""
-    import toy
-    from toy import models
-    from toy.eval.score import compare, window_logits
-    from toy.gguf import GGUFFile
-
     with GGUFFile(merged) as gf:
         limit = models.config_from_gguf(gf).context_length
     n_ctx = min(MAX_SAMPLE, limit or MAX_SAMPLE)
-    kw = dict(kv_type="f32", n_ctx=n_ctx, threads=threads, device=device, fetch=False)
-    a = toy.load(base, lora=list(adapters), **kw)
+    kw: dict[str, Any] = dict(kv_type="f32", n_ctx=n_ctx, threads=threads, device=device, fetch=False)
+    a = load(base, lora=list(adapters), **kw)
     try:
-        b = toy.load(merged, **kw)
+        b = load(merged, **kw)
         try:
             kind, ids = _sample_ids(a, sample)
             n = len(ids)
@@ -259,10 +254,6 @@ def merge_adapters(
     scale) pairs, or bare paths: scale 1) merged in, re-quantized to
     ``dtype`` when given; then, unless ``drift`` is False, measure the
     drift on the sample (``MergeReport.drift``)."""
-    from toy.gguf import GGUFFile, quantize_model
-    from toy.gguf.convert import parse_target
-    from toy.store import resolve_model
-
     base = Path(resolve_model(base_path))
     out = Path(out_path)
     target = None

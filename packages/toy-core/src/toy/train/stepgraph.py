@@ -61,6 +61,7 @@ from typing import Any, Protocol
 import numpy as np
 
 import toy_ggml
+from toy import models
 from toy.models.common import block_causal_mask, causal_mask
 from toy.train.optim import OptimConfig, adamw_hparams
 
@@ -97,10 +98,11 @@ class TrainModel(Protocol):
     def param_specs(self) -> list[ParamSpec]: ...
 
     def logits(
-        self, ctx, params: Mapping[str, toy_ggml.Tensor], inputs: BatchInputs, training: bool = True
+        self, ctx: toy_ggml.Context, params: Mapping[str, toy_ggml.Tensor], inputs: Any, training: bool = True
     ) -> toy_ggml.Tensor:
         """Logits (N, V) of a batch; rows where ``inputs.keep`` is 0 must
-        not reach any weight's gradient. ``training`` is False for the
+        not reach any weight's gradient. ``inputs``: what the model's feed
+        makes (``BatchInputs`` for ``TokenFeed``). ``training`` is False for the
         evaluation and sampling graphs (no dropout).
 
         Optional: ``before_compute(step, micro)``, called before each
@@ -155,9 +157,7 @@ class TokenFeed:
 
     @classmethod
     def for_config(cls, cfg) -> TokenFeed:
-        from toy import models
-
-        return cls(models.of(cfg).windows(cfg))
+        return cls(models.language_model_of(cfg).windows(cfg))
 
     def rows(self, batch: int, context: int) -> int:
         return batch * context
@@ -276,7 +276,9 @@ class TrainEngine:
         self._eps.set(np.array([1e-6], np.float32))
         self.step = 0  # optimizer steps taken
         self._graphs: dict[str, _Graph] = {}
-        self._row = None  # one-row forward graphs for samples, by padded length
+        # one-row forward graphs for samples, by padded length: (inputs' context, inputs, ops, graph, logits)
+        _Row = tuple[toy_ggml.Context, BatchInputs, toy_ggml.Context, toy_ggml.Graph, toy_ggml.Tensor]
+        self._row: dict[int, _Row] | None = None  # inputs' context, inputs, ops context, graph, logits
 
     # ------------------------------------------------------------------ graphs
 
@@ -303,6 +305,7 @@ class TrainEngine:
         g.build_forward(loss)
         g.build_backward()
         seed = g.grad(loss)
+        assert seed is not None  # build_backward gives the loss its gradient
         seed.set_input()
         grads = {}
         for s in self.specs:
@@ -329,6 +332,7 @@ class TrainEngine:
             for s in self.specs:
                 t = ops.sum_sqr(grads[s.name])  # sum(sqr(g)) bit for bit, one threaded pass (patch 0017)
                 sq = t if sq is None else ops.add(sq, t)
+            assert sq is not None  # a model has parameters
             norm = ops.sqrt(sq).set_output()
             outs.append(norm)
             factor = None
@@ -449,6 +453,7 @@ class TrainEngine:
         if g is None:
             g = self._build("probe")
             self._graphs["probe"] = g
+        grads: dict[str, np.ndarray]
         total, grads = 0.0, {}
         for i, b in enumerate(micro_batches):
             self._upload(b, self.n_rows / n_targets)

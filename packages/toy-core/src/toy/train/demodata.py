@@ -1,4 +1,5 @@
-"""A small English corpus every Python has: the documentation topics of the
+"""Demo data written on demand, nothing downloaded (reading a corpus is
+``toy.corpus``). A small English corpus every Python has: the documentation topics of the
 standard library (``pydoc_data.topics``, the text ``help('TOPIC')`` shows:
 79 topics, about 465 KB on CPython 3.11).
 
@@ -24,6 +25,7 @@ import json
 import random
 import re
 from pathlib import Path
+from pydoc_data.topics import topics
 
 from toy.errors import BadInputError
 
@@ -31,8 +33,6 @@ from toy.errors import BadInputError
 def write_python_docs(folder: str | Path) -> list[Path]:
     """Write the topics as text files into ``folder`` (created); returns them
     sorted. Existing files of the same names are replaced."""
-    from pydoc_data.topics import topics
-
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     paths = []

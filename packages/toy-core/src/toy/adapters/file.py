@@ -1,5 +1,6 @@
-"""LoRA adapters as GGUF files in llama.cpp's format (``llama-cli --lora``
-loads them; ``toy infer --lora`` and ``toy merge`` too).
+"""LoRA adapter files: GGUF in llama.cpp's format (``llama-cli --lora``
+loads them; ``toy infer --lora`` and ``toy merge`` too). Reading, writing and
+validating them; applying them to a model is ``toy.adapters.apply``.
 
 The file (what llama.cpp's ``llama_adapter_lora_init`` checks):
 
@@ -35,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from toy.errors import BadInputError
+from toy.gguf import GGUFFile, GGUFWriter, TypeInfo, ValueType
 
 
 class AdapterError(BadInputError):
@@ -95,8 +97,6 @@ def save_adapter(
     name: str | None = None,
 ) -> Path:
     """Write an adapter atomically (see the module docstring); returns the path."""
-    from toy.gguf import GGUFWriter, TypeInfo, ValueType
-
     u32, f32 = TypeInfo(ValueType.UINT32), TypeInfo(ValueType.FLOAT32)
     w = GGUFWriter(path)
     w.add("general.architecture", architecture)
@@ -120,8 +120,6 @@ def save_adapter(
 
 def load_adapter(path: str | os.PathLike) -> Adapter:
     """Read and validate an adapter file (its own consistency; ``check_base`` for a model)."""
-    from toy.gguf import GGUFFile
-
     path = Path(path)
     with GGUFFile(path) as gf:
         md = gf.metadata

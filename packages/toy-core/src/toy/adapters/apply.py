@@ -1,0 +1,177 @@
+"""Applying LoRA adapters to a model: which adapters, at what scale, whether
+they fit the base, and their A/B tensors on the model's runtime.
+
+``toy.load(..., lora=..., adapters=...)`` (``toy.engine.generate``), ``toy
+merge`` (``toy.merge``) and the server's ``--lora`` go through here:
+
+- ``parse_lora_arg``: one ``ADAPTER[:SCALE]`` command-line value;
+- ``lora_items``: what a caller passes (a path, an ``Adapter``, a (path,
+  scale) pair, or a list of them) as [(source, scale)];
+- ``check_lora``: the adapter fits an open base model (architecture, every
+  adapted weight present with the pair's shape, and only weights the
+  architecture's forward adapts: its ``lora_targets``);
+- ``read_adapters``: the adapters read and checked against a base;
+- ``load_lora``: their A/B tensors in one allocated F32 context on a runtime,
+  as the term map every engine graph adds ``scale · B (A x)`` from (see
+  ``toy.engine.llm``); ``named_items`` / ``split_terms`` do the same for
+  selectable (named) adapters.
+
+Invariants: the base weights are never changed here; a term's scale is the
+file's ``alpha / rank`` (``Adapter.scale``) times the user's; a context this
+module allocates is closed again if anything after its creation fails.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+import toy_ggml
+from toy import models
+from toy.adapters.file import Adapter, AdapterError, load_adapter
+from toy.errors import BadInputError
+
+_BLOCK_WEIGHT = re.compile(r"blk\.\d+\.(\w+)\.weight")
+_SCALE_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def parse_lora_arg(text: str) -> tuple[str, float]:
+    """``ADAPTER[:SCALE]`` as ``--lora`` takes it -> (path, scale), scale 1 by
+    default. The text after the last ``:`` is the scale unless the whole text
+    names an existing file or that part holds a path separator (a Windows
+    drive). BadInputError for a scale that is not a finite number."""
+    text = str(text).strip()
+    if not text:
+        raise BadInputError("an empty --lora value", hint="--lora ADAPTER.gguf[:SCALE], e.g. --lora a.gguf:0.5")
+    head, sep, tail = text.rpartition(":")
+    if not sep or not head or os.path.isfile(text) or "/" in tail or "\\" in tail:
+        return text, 1.0
+    if not _SCALE_RE.fullmatch(tail.strip()):
+        raise BadInputError(
+            f"--lora {text}: the scale {tail!r} is not a number", hint="--lora ADAPTER.gguf[:SCALE], e.g. a.gguf:0.5"
+        )
+    scale = float(tail)
+    if not math.isfinite(scale):
+        raise BadInputError(f"--lora {text}: the scale {tail!r} is not finite")
+    return head, scale
+
+
+def check_lora(adapter: Adapter, gf) -> None:
+    """Raise ``AdapterError`` unless ``adapter`` fits the open base model
+    ``gf``: same architecture, every adapted weight present with the pair's
+    shape (``Adapter.check_base``), and only weights the architecture's
+    forward adapts (its ``lora_targets``)."""
+    adapter.check_base({name: tuple(info.shape) for name, info in gf.tensors.items()}, gf.architecture)
+    cfg = models.config_from_gguf(gf)
+    stems = [t.stem for t in models.language_model_of(cfg).lora_targets(cfg).values()]
+    bad = next((n for n in adapter.pairs if not ((m := _BLOCK_WEIGHT.fullmatch(n)) and m.group(1) in stems)), None)
+    if bad is not None:
+        where = f"{adapter.path}: " if adapter.path else ""
+        raise AdapterError(
+            f"{where}adapts {bad}; toy applies LoRA to the attention and feed-forward projections only",
+            hint=f"adapted weights are blk.N.{'/'.join(stems)}.weight",
+        )
+
+
+def lora_items(lora) -> list[tuple[Any, float]]:
+    """``lora`` as a list of (path or Adapter, user scale)."""
+    if lora is None:
+        return []
+    if isinstance(lora, (str, os.PathLike, Adapter)):
+        lora = [lora]
+    out: list[tuple[Any, float]] = []
+    for item in lora:
+        if isinstance(item, (str, os.PathLike, Adapter)):
+            src, scale = item, 1.0
+        elif isinstance(item, Sequence) and len(item) == 2:
+            src, scale = item
+        else:
+            raise BadInputError(f"lora: {item!r} is not a path, an Adapter or a (path, scale) pair")
+        if not isinstance(src, (str, os.PathLike, Adapter)):
+            raise BadInputError(f"lora: {src!r} is not a path or an Adapter")
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+            raise BadInputError(f"lora: the scale {scale!r} of {src} is not a finite number")
+        out.append((src, float(scale)))
+    return out
+
+
+def read_adapters(items, gf) -> list[tuple[Adapter, float]]:
+    """(Adapter, user scale) of each item (a path, an Adapter, or a pair:
+    ``lora_items``), read and checked against the open base ``gf``."""
+    out: list[tuple[Adapter, float]] = []
+    for src, scale in lora_items(items):
+        ad = src if isinstance(src, Adapter) else load_adapter(src)
+        check_lora(ad, gf)
+        out.append((ad, scale))
+    return out
+
+
+def load_lora(items, gf, runtime: toy_ggml.Runtime):
+    """Read and check the adapters; their A/B tensors in one allocated F32
+    context. Returns (context or None, {weight name: [(a, b, scale, None)]},
+    [(path, scale)])."""
+    if not items:
+        return None, None, []
+    adapters = read_adapters(items, gf)
+    F32 = toy_ggml.GGMLType.F32
+    ctx = toy_ggml.Context(max_tensors=2 * sum(len(ad.pairs) for ad, _ in adapters) + 8)
+    try:
+        made = []
+        for j, (ad, scale) in enumerate(adapters):
+            for name, (a, b) in ad.pairs.items():
+                ta = ctx.tensor(F32, a.shape, name=f"lora{j}.{name}.a")
+                tb = ctx.tensor(F32, b.shape, name=f"lora{j}.{name}.b")
+                made.append((name, ta, a, tb, b, ad.scale(name) * scale))
+        ctx.allocate(runtime)
+        terms: dict[str, list] = {}
+        for name, ta, a, tb, b, s in made:
+            ta.set(np.ascontiguousarray(a, np.float32))
+            tb.set(np.ascontiguousarray(b, np.float32))
+            terms.setdefault(name, []).append((ta, tb, s, None))
+    except BaseException:
+        ctx.close()
+        raise
+    return ctx, terms, [(str(ad.path) if ad.path is not None else None, scale) for ad, scale in adapters]
+
+
+def named_items(adapters) -> list[tuple[str, Any, float]]:
+    """``adapters`` ({name: path, Adapter or (path, scale)}) as [(name, source, scale)]."""
+    if not adapters:
+        return []
+    if not isinstance(adapters, Mapping):
+        raise BadInputError("adapters must map names to adapter files (or (file, scale) pairs)")
+    out: list[tuple[str, Any, float]] = []
+    for name, item in adapters.items():
+        if not isinstance(name, str) or not _ADAPTER_NAME.fullmatch(name):
+            raise BadInputError(f"adapter name {name!r}: use 1-64 letters, digits, '_', '-' or '.'")
+        ((src, scale),) = lora_items([item])
+        out.append((name, src, scale))
+    return out
+
+
+def split_terms(terms: dict, n: int) -> list[dict]:
+    """``load_lora``'s terms of n adapters (one context, names lora{j}.*) as one term map per adapter."""
+    per: list[dict] = [{} for _ in range(n)]
+    for name, ts in (terms or {}).items():
+        for t in ts:
+            j = int(t[0].name.split(".", 1)[0].removeprefix("lora"))
+            per[j].setdefault(name, []).append(t)
+    return per
+
+
+__all__ = [
+    "check_lora",
+    "load_lora",
+    "lora_items",
+    "named_items",
+    "parse_lora_arg",
+    "read_adapters",
+    "split_terms",
+]
