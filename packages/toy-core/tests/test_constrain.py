@@ -142,10 +142,12 @@ def test_a_constraint_that_cannot_compile_is_bad_input(model, c, words):
 
 
 def test_constraint_validation_and_tokenizer_requirement():
-    with pytest.raises(ConstraintError, match="kind"):
+    with pytest.raises(ConstraintError, match="kind") as e:
         SamplingParams(constraint=Constraint("xml", "x")).validate()
-    with pytest.raises(ConstraintError, match="empty"):
+    assert e.value.field == "constraint"  # SamplingParams' name for it (a front end names its own input)
+    with pytest.raises(ConstraintError, match="empty") as e:
         Constraint.regex("  ").validate()
+    assert e.value.field == "constraint"
     with pytest.raises(ConstraintError, match="not valid JSON"):
         Constraint.json_schema("{nope")
     with pytest.raises(SamplingError, match="tokenizer"):

@@ -15,6 +15,7 @@ import pytest
 
 from toy.engine.sampling import (
     Sampler,
+    SamplingError,
     SamplingParams,
     TokenLogprob,
     apply_penalties,
@@ -127,9 +128,10 @@ BAD_VALUES = [
 
 @pytest.mark.parametrize(("field", "value"), BAD_VALUES)
 def test_validate_rejects_bad_field(field, value):
-    with pytest.raises(ToyError) as e:
+    with pytest.raises(SamplingError) as e:
         SamplingParams(**{field: value}).validate()
     assert f"{field}" in str(e.value)
+    assert e.value.field == field  # carried as data: the server's param comes from it, not from the message
 
 
 def test_validate_message_names_field_and_value():
@@ -148,8 +150,9 @@ def test_validate_accepts_edges(field, value):
 def test_replace_validates_and_names_unknown_fields():
     p = SamplingParams()
     assert p.replace(top_k=5).top_k == 5 and p.top_k == 40
-    with pytest.raises(ToyError, match="top_kk"):
+    with pytest.raises(ToyError, match="top_kk") as e:
         p.replace(top_kk=5)
+    assert e.value.field == "top_kk"
     with pytest.raises(ToyError, match="top_p=2"):
         p.replace(top_p=2)
 
@@ -437,13 +440,15 @@ def test_sampler_rejects_bad_inputs():
         Sampler(SamplingParams(temperature=-1), 4)
     with pytest.raises(ToyError, match="n_vocab"):
         Sampler(SamplingParams(), 0)
-    with pytest.raises(ToyError, match="stop_tokens"):
+    with pytest.raises(ToyError, match="stop_tokens") as e:
         Sampler(SamplingParams(stop_tokens=(4,)), 4)
+    assert e.value.field == "stop_tokens"
     s = Sampler(SamplingParams(), 4)
     with pytest.raises(ToyError, match="n_vocab"):
         s.sample(np.zeros(5, dtype=np.float32), [])
-    with pytest.raises(ToyError, match="NaN"):
+    with pytest.raises(ToyError, match="NaN") as e:
         s.sample(np.array([0, 1, np.nan, 2], dtype=np.float32), [])
+    assert e.value.field is None  # the model's logits are no input of the caller's
     with pytest.raises(ToyError, match="-inf"):
         s.sample(np.full(4, NEG_INF, dtype=np.float32), [])
     with pytest.raises(ToyError):
@@ -493,8 +498,9 @@ def test_logit_bias_is_normalized_and_hashable():
     [{1: 100.5}, {1: -101}, {1: float("nan")}, {1: float("inf")}, {1: True}, {1: "1"}, {-1: 1}, {"x": 1}, {1.5: 1}],
 )
 def test_logit_bias_rejects_bad_entries(bias):
-    with pytest.raises(ToyError, match="logit_bias"):
+    with pytest.raises(ToyError, match="logit_bias") as e:
         SamplingParams(logit_bias=bias).validate()
+    assert e.value.field == "logit_bias"
 
 
 def test_logit_bias_rejects_duplicates_too_many_and_ids_outside_the_vocabulary():
@@ -502,8 +508,9 @@ def test_logit_bias_rejects_duplicates_too_many_and_ids_outside_the_vocabulary()
         SamplingParams(logit_bias=[(3, 1.0), (3, 2.0)]).validate()
     with pytest.raises(ToyError, match="at most"):
         SamplingParams(logit_bias={i: 1.0 for i in range(2000)}).validate()
-    with pytest.raises(ToyError, match="outside the vocabulary"):
+    with pytest.raises(ToyError, match="outside the vocabulary") as e:
         Sampler(SamplingParams.greedy(logit_bias={4: 1.0}), 4)
+    assert e.value.field == "logit_bias"
 
 
 def test_logit_bias_moves_the_argmax_before_the_penalties():

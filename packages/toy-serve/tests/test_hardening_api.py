@@ -34,11 +34,10 @@ TOKENS = [chr(c) for c in range(33, 127)] + ["\u0120", "<|end|>"]  # printable A
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny model whose vocabulary spells printable ASCII one character a token (no merges)."""
-    import toy_test_models
-
     import toy
     from toy.gguf.reader import GGUFFile
     from toy.gguf.writer import GGUFWriter, copy_metadata
+    from toy_testsupport import toy_test_models
 
     d = tmp_path_factory.mktemp("tiny")
     src = toy_test_models.write_tiny_model(d / "src.gguf", extra_metadata={"tokenizer.ggml.merges": []})
@@ -259,6 +258,68 @@ def test_tool_fields_that_cannot_be_honoured_are_refused(tiny, tmp_path):
             assert r.status_code == 200, r.text
 
     asyncio.run(go())
+
+
+# -- a toy error's field becomes the error's param (toy.errors: the field is data, the message is never parsed)
+
+# (path, the error's field, the param answered): toy's names become the API's, and a name the request has no
+# field for (the engine's "ids", "prompt" on chat) is the endpoint's input field
+FIELD_PARAMS = [
+    ("/v1/completions", "repeat_penalty", "repetition_penalty"),
+    ("/v1/completions", "stop_tokens", "stop"),
+    ("/v1/completions", "stop.1", "stop.1"),
+    ("/v1/completions", "logprobs", "logprobs"),
+    ("/v1/chat/completions", "logprobs", "top_logprobs"),
+    ("/v1/chat/completions", "presence_penalty", "presence_penalty"),
+    ("/v1/completions", "prompt", "prompt"),
+    ("/v1/chat/completions", "prompt", "messages"),
+    ("/v1/chat/completions", "messages.0.content", "messages.0.content"),
+    ("/v1/completions", "ids", "prompt"),
+    ("/v1/completions", None, "prompt"),
+]
+
+
+def test_a_toy_errors_field_is_the_param(tiny, tmp_path, monkeypatch):
+    from toy.engine.llm import ContextOverflowError
+    from toy.errors import BadInputError
+    from toy_serve import schemas
+
+    app = make_app(tiny, tmp_path)
+    raised: list[BaseException] = []
+
+    def refuse(*args, **kw):
+        raise raised[-1]
+
+    monkeypatch.setattr(schemas, "sampling_params", refuse)
+
+    async def go():
+        async with asgi(app) as c:
+            for path, field, param in FIELD_PARAMS:
+                # a message that starts like "temperature=..." but a field that says otherwise: param follows the field
+                raised.append(BadInputError("temperature=2 is what the message says", hint="h", field=field))
+                r = await c.post(path, json=CHAT if "chat" in path else PROMPT)
+                err = error_of(r)
+                assert r.status_code == 400 and (err["param"], err["code"]) == (param, None), (path, field, err)
+                assert err["message"] == "temperature=2 is what the message says (h)"
+            raised.append(ContextOverflowError("too long", field="prompt"))
+            r = await c.post("/v1/chat/completions", json=CHAT)
+            err = error_of(r)
+            assert r.status_code == 400 and (err["param"], err["code"]) == ("messages", "context_length_exceeded")
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [({"parallel": 0}, "parallel"), ({"kv_type": "q4"}, "kv_type"), ({"api_key": "a b"}, "api_key")],
+)
+def test_a_settings_error_carries_the_field(kw, field):
+    from toy.errors import BadInputError
+    from toy_serve import Settings
+
+    with pytest.raises(BadInputError, match=field) as e:
+        Settings(model="m", **kw)
+    assert e.value.field == field
 
 
 # -- item 12: bodies that are not well-formed JSON, lone surrogates

@@ -232,12 +232,21 @@ def test_plot_without_matplotlib(monkeypatch, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_plot_and_data_errors_are_toys_own():
+    """toy_vit raises toy's PlotUnavailableError and DataError, not look-alike classes of its own."""
+    import toy.errors
+    import toy.runs.plot
+
+    assert PlotUnavailableError is toy.errors.PlotUnavailableError is toy.runs.plot.PlotUnavailableError
+    assert DataError is toy.errors.DataError
+
+
 def test_equals_the_training_runs_validation(tmp_path):
     from toy_vit.train import train
-    from toy_vit.trainconfig import VitTrainConfig
+    from toy_vit.trainconfig import ViTTrainConfig
 
     data = write_folder(tmp_path / "data", per_class=10)
-    cfg = VitTrainConfig(
+    cfg = ViTTrainConfig(
         data=str(data), preset="vit-micro", steps=6, batch_size=8, lr=3e-3, eval_every=0, save_every=0,
         out=str(tmp_path / "runs"), cache_dir=str(tmp_path / "cache"), threads=1, seed=2, val_fraction=0.3,
     )  # fmt: skip

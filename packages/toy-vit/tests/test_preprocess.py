@@ -178,7 +178,11 @@ def _raises(match: str):
 
 
 def test_errors_name_the_file(tmp_path, files):
+    import toy.errors
+    import toy.train.data
+
     assert issubclass(DataError, BadInputError)
+    assert DataError is toy.errors.DataError is toy.train.data.DataError  # one DataError across toy
     with _raises(f"{tmp_path / 'nope.png'}: no such file"):
         load_image(tmp_path / "nope.png")
     with _raises(f"{tmp_path}: not a regular file"):

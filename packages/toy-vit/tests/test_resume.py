@@ -1,5 +1,5 @@
 """Resuming ViT runs: a run stopped at step k (``hooks.should_stop``) and
-resumed through ``toy.train.loop.resume`` (which dispatches on the
+resumed through ``toy.train.lmrun.resume`` (which dispatches on the
 checkpoint's ``"task": "vit"`` to the ``toy.train_tasks`` entry point)
 equals the run that never stopped, losses and final weights byte for byte;
 with augmentation, accumulation, label smoothing and the fine-tunes
@@ -19,10 +19,10 @@ import pytest
 
 from toy.errors import BadInputError
 from toy.gguf import GGUFFile
-from toy.train import checkpoint, loop
+from toy.train import checkpoint, lmrun
 from toy.train.steploop import Hooks
 from toy_vit import train as vit_train
-from toy_vit.trainconfig import VitTrainConfig
+from toy_vit.trainconfig import ViTTrainConfig
 
 if "torch_vit" not in sys.modules:
     _spec = importlib.util.spec_from_file_location("torch_vit", Path(__file__).with_name("torch_vit.py"))
@@ -36,13 +36,13 @@ def shapes(tmp_path_factory):
     return torch_vit.write_shapes_folder(tmp_path_factory.mktemp("shapes") / "data", per_class=20, noise=60.0)
 
 
-def _cfg(data, tmp_path, **kw) -> VitTrainConfig:
+def _cfg(data, tmp_path, **kw) -> ViTTrainConfig:
     base = dict(
         data=str(data), preset="vit-micro", steps=12, batch_size=8, lr=3e-3, warmup=2, eval_every=5, save_every=0,
         out=str(tmp_path / "runs"), cache_dir=str(tmp_path / "cache"), threads=2, val_fraction=0.2,
         crop_scale=(0.6, 1.0),
     )  # fmt: skip
-    return VitTrainConfig(**{**base, **kw})
+    return ViTTrainConfig(**{**base, **kw})
 
 
 def _stop_after(k: int) -> Hooks:
@@ -100,7 +100,7 @@ def test_stopped_and_resumed_equals_uninterrupted(shapes, tmp_path, case):
     ck = checkpoint.load(part.run_dir / "checkpoints")
     assert ck.step == 7 and ck.state["task"] == "vit" and ck.state["images_seen"] == 7 * 8
     assert ck.state["data"]["cursor"] == 56 - 48 and ck.state["data"]["epoch"] == 1  # 48 training images
-    done = loop.resume(part.run_dir)  # dispatches through the entry point
+    done = lmrun.resume(part.run_dir)  # dispatches through the entry point
     assert done.reason == "completed" and done.final_step == 12 and done.run_id == part.run_id
     kinds = [e["kind"] for e in _events(part.run_dir)]
     assert kinds.count("resume") == 1 and kinds.count("run_start") == 1 and kinds[-1] == "run_end"
@@ -130,14 +130,14 @@ def test_fine_tunes_resume_exactly(shapes, base_model, tmp_path, mode):
     full = vit_train.train(_cfg(shapes, tmp_path / "full", **kw))
     part = vit_train.train(_cfg(shapes, tmp_path / "part", **kw), _stop_after(5))
     assert part.final_step == 5
-    done = loop.resume(part.run_dir)
+    done = lmrun.resume(part.run_dir)
     _same_run(full, done)
     # a base that changed is refused: the frozen tensors could not be the run's
     part2 = vit_train.train(_cfg(shapes, tmp_path / "part2", **kw), _stop_after(3))
     with open(base, "ab") as f:
         f.write(b"\0" * 32)
     with pytest.raises(BadInputError, match="the base model changed since the run started"):
-        loop.resume(part2.run_dir)
+        lmrun.resume(part2.run_dir)
 
 
 def test_changed_data_is_refused(shapes, tmp_path):
@@ -149,4 +149,4 @@ def test_changed_data_is_refused(shapes, tmp_path):
     shutil.copy(next((data / "horizontal").iterdir()), data / "extra" / "y.png")
     for _ in range(2):  # and the lock is released each time
         with pytest.raises(BadInputError, match="the data changed"):
-            loop.resume(part.run_dir)
+            lmrun.resume(part.run_dir)

@@ -30,8 +30,8 @@ import numpy as np
 import pytest
 
 import toy_ggml
-from toy.train.engine import TrainEngine
 from toy.train.optim import OptimConfig
+from toy.train.stepgraph import TrainEngine
 from toy.train.steploop import Hooks
 from toy_vit.config import ViTConfig
 from toy_vit.train import (
@@ -44,7 +44,7 @@ from toy_vit.train import (
     lora_shapes,
     train,
 )
-from toy_vit.trainconfig import VitTrainConfig, VitTrainConfigError, from_dict, to_dict
+from toy_vit.trainconfig import ViTTrainConfig, ViTTrainConfigError, from_dict, to_dict
 
 if "torch_vit" not in sys.modules:
     _spec = importlib.util.spec_from_file_location("torch_vit", Path(__file__).with_name("torch_vit.py"))
@@ -228,13 +228,13 @@ def shapes(tmp_path_factory):
     return torch_vit.write_shapes_folder(tmp_path_factory.mktemp("shapes") / "data", per_class=30, noise=60.0)
 
 
-def _run_cfg(data, tmp_path, **kw) -> VitTrainConfig:
+def _run_cfg(data, tmp_path, **kw) -> ViTTrainConfig:
     base = dict(
         data=str(data), preset="vit-micro", steps=40, batch_size=8, lr=3e-3, warmup=4, eval_every=20,
         save_every=20, out=str(tmp_path / "runs"), cache_dir=str(tmp_path / "cache"), threads=2, val_fraction=0.2,
         flip=False, crop_scale=(0.7, 1.0),
     )  # fmt: skip
-    return VitTrainConfig(**{**base, **kw})
+    return ViTTrainConfig(**{**base, **kw})
 
 
 def events(run_dir: Path) -> list[dict]:
@@ -413,21 +413,21 @@ BAD = [
 
 @pytest.mark.parametrize("kw,field", BAD, ids=[f for _, f in BAD])
 def test_bad_config_is_refused_naming_the_field(tmp_path, kw, field):
-    cfg = VitTrainConfig(**{"data": str(tmp_path), "steps": 5, **kw})
-    with pytest.raises(VitTrainConfigError) as e:
+    cfg = ViTTrainConfig(**{"data": str(tmp_path), "steps": 5, **kw})
+    with pytest.raises(ViTTrainConfigError) as e:
         train(cfg)
     assert e.value.field == field and str(e.value).startswith(f"{field}:")
     assert not (tmp_path / "runs").exists()
 
 
 def test_config_round_trips_and_refuses_unknown_keys():
-    cfg = VitTrainConfig(data="/d", steps=3, crop_scale=(0.6, 1.0), lora_targets=("q", "v"))
+    cfg = ViTTrainConfig(data="/d", steps=3, crop_scale=(0.6, 1.0), lora_targets=("q", "v"))
     d = json.loads(json.dumps(to_dict(cfg)))
     assert from_dict(d) == cfg
-    with pytest.raises(VitTrainConfigError, match="^learning_rate: unknown key") as e:
+    with pytest.raises(ViTTrainConfigError, match="^learning_rate: unknown key") as e:
         from_dict({**d, "learning_rate": 0.1})
     assert e.value.field == "learning_rate"
-    with pytest.raises(VitTrainConfigError, match="^steps: '3' is not a whole number"):
+    with pytest.raises(ViTTrainConfigError, match="^steps: '3' is not a whole number"):
         from_dict({**d, "steps": "3"})
 
 
@@ -436,9 +436,9 @@ def test_bad_data_and_base_are_refused(shapes, base_model, tmp_path):
 
     with pytest.raises(BadInputError, match="no such folder"):
         train(_run_cfg(tmp_path / "missing", tmp_path))
-    with pytest.raises(VitTrainConfigError, match="^base: .*no such file"):
+    with pytest.raises(ViTTrainConfigError, match="^base: .*no such file"):
         train(_run_cfg(shapes, tmp_path, base=str(tmp_path / "nope.gguf")))
-    with pytest.raises(VitTrainConfigError, match=r"^d_model: 64 differs from the base model's 32"):
+    with pytest.raises(ViTTrainConfigError, match=r"^d_model: 64 differs from the base model's 32"):
         train(_run_cfg(shapes, tmp_path, base=str(base_model), d_model=64))
 
 

@@ -10,12 +10,14 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel
 
+from toy.engine.constrain import Constraint
 from toy.engine.llm import ContextOverflowError
 from toy.engine.sampling import SamplingParams
 from toy.errors import BadInputError, ToyError
@@ -36,19 +38,29 @@ from toy_serve.schemas import (
 from toy_serve.server import CHAT, COMPLETIONS, DEFAULT_PARAM, EMBEDDINGS, Server, internal, log
 from toy_serve.worker import QueueFullError
 
+# each POST route's request model: the fields an error's ``param`` can name
+_REQUESTS: dict[str, type[BaseModel]] = {
+    COMPLETIONS: CompletionRequest,
+    CHAT: ChatCompletionRequest,
+    EMBEDDINGS: EmbeddingRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+}
+
 
 def toy_error(srv: Server, request: Request, exc: ToyError) -> APIError:
     msg = str(exc) + (f" ({exc.hint})" if getattr(exc, "hint", None) else "")
     path = request.url.path
     if isinstance(exc, QueueFullError):
-        if srv.status == "stopping" or "shutting down" in str(exc):
+        if srv.status == "stopping" or exc.shutting_down:
             return APIError(503, str(exc), type="server_error", headers={"retry-after": "1"})
         return APIError(429, str(exc), type="rate_limit_error", code="queue_full", headers={"retry-after": "1"})
-    if isinstance(exc, ContextOverflowError):
-        return APIError(400, msg, param=DEFAULT_PARAM.get(path), code="context_length_exceeded")
     if isinstance(exc, (BadInputError, ChatTemplateError, TokenizerError)):
+        # the error carries its field in toy's names (toy.errors); param_of says what the request calls it
         lp = "top_logprobs" if path == CHAT else "logprobs"
-        return APIError(400, msg, param=S.param_of(str(exc), DEFAULT_PARAM.get(path), lp))
+        param = S.param_of(getattr(exc, "field", None), _REQUESTS.get(path), DEFAULT_PARAM.get(path), lp)
+        code = "context_length_exceeded" if isinstance(exc, ContextOverflowError) else None
+        return APIError(400, msg, param=param, code=code)
     rid = request.scope.get("toy.request_id")
     log.error("request %s: %s: %s", rid, type(exc).__name__, exc)
     return internal(msg, rid)
@@ -89,6 +101,7 @@ def _budget(model: Any, ids: list[int], max_tokens: int | None) -> int:
             f"this server's context is {n_ctx} tokens per request, but {len(ids) + mt} were requested "
             f"({len(ids)} in the prompt, {mt} for the completion)",
             hint="shorten the prompt or lower max_tokens",
+            field="prompt",
         )
     return mt
 
@@ -117,7 +130,9 @@ def _errors(*codes: int) -> dict[int | str, dict]:
 
 
 _API = _errors(400, 401, 413, 429, 500, 503)
-_SSE = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": "OK (stream)"}}
+_SSE: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": "OK (stream)"}
+}
 
 
 def add_routes(app: FastAPI, srv: Server) -> None:
@@ -134,7 +149,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
     async def models() -> Response:
         card = {"id": alias, "object": "model", "created": srv.created, "owned_by": "toy"}
         if srv.status == "ok":
-            card["max_model_len"] = srv.model.engine.n_ctx
+            card["max_model_len"] = srv.ready().engine.n_ctx  # the model, as the status is "ok"
         adapters = srv.adapters()
         if adapters:  # file names only: a client has no business with the server's paths
             card["lora"] = [{"name": Path(p).name if p else None, "scale": sc} for p, sc in adapters]
@@ -219,11 +234,14 @@ def add_routes(app: FastAPI, srv: Server) -> None:
             if native and tools:
                 chat_vars = {"tools": tools}
         ids = await asyncio.to_thread(model.prompt_ids, messages, False, chat_vars)
+        cons: Constraint | None
         if mode in ("required", "named"):
             chosen = (
                 tools
                 if mode == "required"
-                else [t for t in tools if t["function"]["name"] == body.tool_choice.function.name]
+                else [
+                    t for t in tools if t["function"]["name"] == cast(S.NamedToolChoice, body.tool_choice).function.name
+                ]
             )
             cons = T.forced_call(chosen, parallel=body.parallel_tool_calls)
         elif mode == "auto" and (strict := T.strict_auto(tools, parallel=body.parallel_tool_calls)):

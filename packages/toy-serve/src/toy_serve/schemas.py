@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
@@ -392,17 +391,26 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     return APIError(400, f"{param}: {e.get('msg', 'invalid value')}", param=param)
 
 
-_FIELD_IN_MESSAGE = re.compile(r"^([a-z_]+)(?:=| has )")
-_API_NAME = {"repeat_penalty": "repetition_penalty", "stop_tokens": "stop"}
+_API_NAME = {"repeat_penalty": "repetition_penalty", "stop_tokens": "stop"}  # toy's SamplingParams -> the API
 
 
-def param_of(message: str, default: str | None = None, logprobs_field: str = "logprobs") -> str | None:
-    """The request field a toy error message names (``"temperature=-1 must be >= 0"`` -> ``temperature``)."""
-    m = _FIELD_IN_MESSAGE.match(message)
-    if not m:
+def param_of(
+    field: str | None,
+    request: type[BaseModel] | None,
+    default: str | None = None,
+    logprobs_field: str = "logprobs",
+) -> str | None:
+    """The ``param`` for a toy error's ``field`` (``toy.errors.BadInputError.field``, in toy's names): its
+    first part translated to the API's name (``repeat_penalty`` -> ``repetition_penalty``, ``logprobs`` ->
+    ``logprobs_field``), kept when ``request`` (the endpoint's request model) has such a field; otherwise
+    ``default``, the endpoint's input field (no field, ``prompt`` on chat, an engine-internal name)."""
+    if field is None or request is None:
         return default
-    name = _API_NAME.get(m.group(1), m.group(1))
-    return logprobs_field if name == "logprobs" else name
+    head, dot, rest = field.partition(".")
+    head = _API_NAME.get(head, head)
+    if head == "logprobs":
+        head = logprobs_field
+    return head + dot + rest if head in request.model_fields else default
 
 
 def refuse_unsupported(req: _Sampling) -> None:
@@ -578,7 +586,7 @@ class LegacyLogprobs:
         self.pos = start
         self.tokens: list[str] = []
         self.token_logprobs: list[float | None] = []
-        self.top_logprobs: list[dict[str, float] | None] = []
+        self.top_logprobs: list[dict[str, float | None] | None] = []  # None: not finite (JSON null)
         self.text_offset: list[int] = []
 
     def add(self, token_id: int, logprob: float | None, top: Any) -> None:
@@ -588,7 +596,7 @@ class LegacyLogprobs:
         if logprob is None:
             self.top_logprobs.append(None)
         else:
-            d = {}
+            d: dict[str, float | None] = {}
             for i, v in top or ():
                 d.setdefault(token_text(self.tok, i), finite(float(v)))
             d.setdefault(text, finite(float(logprob)))

@@ -9,7 +9,7 @@ Invariants:
 
 - A ``Settings`` that exists is valid: ``__post_init__`` checks every range
   and raises ``BadInputError`` (the CLI exits 2) naming the field, e.g.
-  ``parallel=0 must be >= 1``.
+  ``parallel=0 must be >= 1`` (and carrying it as ``field``: ``parallel``).
 - It is frozen and hashable, so the app can hold it without defensive copies.
 - ``config()`` is what the run bundle records: the API key is never written,
   only whether one is set.
@@ -80,23 +80,24 @@ def _int(name: str, value: Any, lo: int | None = None, hi: int | None = None, op
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, int):
-        raise BadInputError(f"{name}={value!r} must be an integer" + (" or None" if optional else ""))
+        raise BadInputError(f"{name}={value!r} must be an integer" + (" or None" if optional else ""), field=name)
     if lo is not None and value < lo:
-        raise BadInputError(f"{name}={value} must be >= {lo}")
+        raise BadInputError(f"{name}={value} must be >= {lo}", field=name)
     if hi is not None and value > hi:
-        raise BadInputError(f"{name}={value} must be <= {hi}")
+        raise BadInputError(f"{name}={value} must be <= {hi}", field=name)
 
 
 def _seconds(name: str, value: Any, lo: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < lo:
-        raise BadInputError(f"{name}={value!r} must be a number of seconds >= {lo:g}")
+        raise BadInputError(f"{name}={value!r} must be a number of seconds >= {lo:g}", field=name)
 
 
 def _str(name: str, value: Any, optional: bool = False) -> None:
     if value is None and optional:
         return
     if not isinstance(value, str) or not value.strip():
-        raise BadInputError(f"{name}={value!r} must be a non-empty string" + (" or None" if optional else ""))
+        msg = f"{name}={value!r} must be a non-empty string" + (" or None" if optional else "")
+        raise BadInputError(msg, field=name)
 
 
 def _lora_pairs(value: Any) -> tuple[tuple[str, float], ...]:
@@ -108,7 +109,7 @@ def _lora_pairs(value: Any) -> tuple[tuple[str, float], ...]:
     out = []
     for item in value:
         if isinstance(item, (str, Path)):
-            from toy.engine.generate import parse_lora_arg
+            from toy.adapters import parse_lora_arg
 
             path, scale = parse_lora_arg(str(item))
         elif isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], (str, Path)):
@@ -192,16 +193,17 @@ class Settings:
         if self.api_key is not None:
             _str("api_key", self.api_key)
             if any(c.isspace() for c in self.api_key):
-                raise BadInputError("api_key must not contain whitespace", hint="a key is sent as 'Bearer <key>'")
+                msg = "api_key must not contain whitespace"
+                raise BadInputError(msg, hint="a key is sent as 'Bearer <key>'", field="api_key")
         _int("ctx", self.ctx, 16, optional=True)
         _int("parallel", self.parallel, 1, MAX_PARALLEL)
         _int("max_queue", self.max_queue, 1, 1_000_000)
         _str("device", self.device, optional=True)
         _int("threads", self.threads, 1, optional=True)
         if self.kv_type not in ("f16", "f32"):
-            raise BadInputError(f"kv_type={self.kv_type!r} must be f16 or f32")
+            raise BadInputError(f"kv_type={self.kv_type!r} must be f16 or f32", field="kv_type")
         if not isinstance(self.flash_attn, bool):
-            raise BadInputError(f"flash_attn={self.flash_attn!r} must be true or false")
+            raise BadInputError(f"flash_attn={self.flash_attn!r} must be true or false", field="flash_attn")
         _int("prefill_chunk", self.prefill_chunk, 1)
         _int("max_body_bytes", self.max_body_bytes, 1024)
         _int("max_batch", self.max_batch, 1)

@@ -56,18 +56,13 @@ from typing import Any
 
 import numpy as np
 
-from toy.errors import BadInputError, ToyError
-from toy_vit.preprocess import DataError
+from toy.errors import BadInputError, DataError, PlotUnavailableError, ToyError
 
 SPLITS = ("val", "train", "all")
 PLOT_FORMATS = (".png", ".svg", ".pdf")
 PLOT_HINT = "pip install 'toy-vit[plot]'"
 
 Progress = Callable[[str, int, int], None]
-
-
-class PlotUnavailableError(BadInputError):
-    """Plotting needs matplotlib, which is the optional ``plot`` extra."""
 
 
 @dataclass(frozen=True)
@@ -269,6 +264,7 @@ def evaluate(
     data_name = None
     remap = None
     total = None
+    used_split: str | None = split  # None: batches given, no folder split
     if isinstance(data, (str, os.PathLike, ImageFolder)):
         folder = data if isinstance(data, ImageFolder) else ImageFolder(data, val_fraction=val_fraction, seed=seed)
         data_name = str(folder.root)
@@ -293,7 +289,7 @@ def evaluate(
         )
         batches = _batches(source)
     else:
-        split = None
+        used_split = None
         batches = _batches(data)
 
     zs, ys = [], []
@@ -319,7 +315,7 @@ def evaluate(
         raise BadInputError("nothing to evaluate: no images")
     z = np.concatenate(zs)
     y = np.concatenate(ys)
-    return report_from_logits(z, y, cfg.labels, split=split, model=str(classifier.path), data=data_name)
+    return report_from_logits(z, y, cfg.labels, split=used_split, model=str(classifier.path), data=data_name)
 
 
 def report_from_logits(

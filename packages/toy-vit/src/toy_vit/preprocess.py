@@ -40,7 +40,8 @@ Decisions:
 
 Invariants: ``load_image`` returns a fully loaded image in mode "L" or "RGB";
 ``preprocess`` returns a C-contiguous float32 ``(B, C, size, size)`` array.
-Bad input raises ``DataError`` (a ``BadInputError``) naming the file or value.
+Bad input raises ``DataError`` (``toy.errors.DataError``, a ``BadInputError``)
+naming the file or value.
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
-from toy.errors import BadInputError
+from toy.errors import DataError as DataError  # toy's one DataError (toy.train.data raises it too); re-exported here
 
 FORMATS = ("PNG", "JPEG", "WEBP", "BMP")
 SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -61,10 +62,6 @@ RESAMPLE = Image.Resampling.BILINEAR
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 
 ImageSource = str | os.PathLike | Image.Image | np.ndarray
-
-
-class DataError(BadInputError):
-    """An image, an image folder, its cache or a data setting is unusable."""
 
 
 def check_channels(channels: int) -> int:
@@ -125,7 +122,7 @@ def decode_file(path: str | os.PathLike) -> Image.Image:
             out = ImageOps.exif_transpose(im)
             out.load()
             return out if out is not im else im.copy()
-    except Image.UnidentifiedImageError:
+    except UnidentifiedImageError:
         raise DataError(f"{path}: not a PNG, JPEG, WebP or BMP image") from None
     except Image.DecompressionBombError as e:
         raise DataError(f"{path}: {e}") from None

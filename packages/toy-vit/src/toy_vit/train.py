@@ -1,13 +1,13 @@
 """Training a ViT classifier on an image folder: the model the engine
 trains, the run, and resuming it.
 
-``train(cfg, hooks)`` starts a run (``VitTrainConfig``), ``resume(run_dir,
-hooks, steps=)`` continues one (``toy.train.loop.resume``, which dispatches
+``train(cfg, hooks)`` starts a run (``ViTTrainConfig``), ``resume(run_dir,
+hooks, steps=)`` continues one (``toy.train.lmrun.resume``, which dispatches
 a checkpoint whose state says ``"task": "vit"`` to ``resume_task`` through
 the ``toy.train_tasks`` entry point). The step loop, its events, stopping,
 divergence and I/O errors are ``toy.train.steploop.StepRun``'s; the
 engine (loss, backward, clipping, AdamW, accumulation, label smoothing) is
-``toy.train.engine.TrainEngine``'s. This module gives them:
+``toy.train.stepgraph.TrainEngine``'s. This module gives them:
 
 - ``ViTTrainModel``: the engine's ``TrainModel`` for a ``ViTConfig``. Its
   feed (``PatchFeed``) has one logits row per image (context 1): inputs
@@ -19,7 +19,7 @@ engine (loss, backward, clipping, AdamW, accumulation, label smoothing) is
   ``lora`` adds A (r, in), B (out, r) on the chosen projections of every
   block (``toy_vit.model.forward``'s ``lora`` terms, scale alpha / r, the
   names ``<W>.lora_a`` / ``<W>.lora_b`` as in ``toy.train.lora``).
-- ``VitRun``: the run. Set-up: the ``ImageFolder`` and its split, the
+- ``ViTRun``: the run. Set-up: the ``ImageFolder`` and its split, the
   decoded-image cache (``hooks.phase("decoding images", done, total)``),
   the starting weights, the engine; ``unit = "images"``.
 
@@ -74,18 +74,18 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 import toy_ggml
 from toy.errors import BadInputError
 from toy.train import checkpoint
-from toy.train.engine import ParamSpec, TrainEngine
+from toy.train.stepgraph import ParamSpec, TrainEngine
 from toy.train.steploop import Hooks, RunResult, StepRun, TrainingIOError
 from toy_vit.config import ViTConfig
 from toy_vit.model import forward, graph_size, params, patchify
-from toy_vit.trainconfig import LORA_TARGETS, VitTrainConfig, VitTrainConfigError, from_dict, to_dict, validate
+from toy_vit.trainconfig import LORA_TARGETS, ViTTrainConfig, ViTTrainConfigError, from_dict, to_dict, validate
 
 F32 = toy_ggml.GGMLType.F32
 HEAD = ("cls.weight", "cls.bias")
@@ -291,19 +291,22 @@ class _Stream:
         return self.inner.state()
 
 
-def _base_path(cfg: VitTrainConfig) -> Path:
+def _base_path(cfg: ViTTrainConfig) -> Path:
+    assert cfg.base is not None  # called for a fine-tune only
     p = Path(cfg.base).expanduser()
     if not p.is_file():
-        raise VitTrainConfigError("base", f"{p}: no such file (a ViT classifier GGUF)")
+        raise ViTTrainConfigError("base", f"{p}: no such file (a ViT classifier GGUF)")
     return p
 
 
-class VitRun(StepRun):
+class ViTRun(StepRun):
     unit = "images"
+    _frozen_ctx: toy_ggml.Context | None
+    _eval: tuple[toy_ggml.Context, toy_ggml.Context, toy_ggml.Graph, PatchInputs, toy_ggml.Tensor] | None
 
     def __init__(
         self,
-        cfg: VitTrainConfig,
+        cfg: ViTTrainConfig,
         hooks: Hooks,
         resume_from: Path | None = None,
         ckpt: checkpoint.Resumable | None = None,
@@ -344,7 +347,7 @@ class VitRun(StepRun):
             bcfg, base_values = read_gguf(bpath)
             for k, v in cfg.overrides().items():
                 if getattr(bcfg, k) != v:
-                    raise VitTrainConfigError(k, f"{v} differs from the base model's {getattr(bcfg, k)} ({bpath})")
+                    raise ViTTrainConfigError(k, f"{v} differs from the base model's {getattr(bcfg, k)} ({bpath})")
             start["base"] = {"path": str(bpath), "sha256": self.base_sha, "labels": list(bcfg.labels)}
         if ckpt is not None:
             vcfg = ViTConfig.from_dict(st["model"])
@@ -421,8 +424,13 @@ class VitRun(StepRun):
         if ckpt:
             self.engine.load_state({s.name: values[s.name] for s in specs}, ckpt.optimizer, ckpt.step)
         try:
-            phase = (lambda d, t: hooks.phase("decoding images", d, t)) if hooks.phase else None
-            aug = Augment(scale=tuple(cfg.crop_scale), flip=0.5 if cfg.flip else 0.0) if cfg.augment else None
+            on_phase = hooks.phase
+            phase = (lambda d, t: on_phase("decoding images", d, t)) if on_phase else None
+            aug = (
+                Augment(scale=cast("tuple[float, float]", tuple(cfg.crop_scale)), flip=0.5 if cfg.flip else 0.0)
+                if cfg.augment
+                else None
+            )
             self.stream = _Stream(
                 ImageBatchStream(
                     folder,
@@ -459,6 +467,7 @@ class VitRun(StepRun):
         }
         try:
             if ckpt:
+                assert resume_from is not None  # a checkpoint comes with the run folder it resumes
                 self.writer = RunWriter.reopen(resume_from)
                 self.writer.event("resume", from_step=ckpt.step, checkpoint=ckpt.model_path.name)
             else:
@@ -632,7 +641,7 @@ class VitRun(StepRun):
 # -- public entry points -----------------------------------------------------------
 
 
-def train(cfg: VitTrainConfig, hooks: Hooks | None = None) -> RunResult:
+def train(cfg: ViTTrainConfig, hooks: Hooks | None = None) -> RunResult:
     """Train (or fine-tune, with ``base``) a ViT classifier as ``cfg``
     says; ``data`` and ``base`` are recorded absolute, so ``resume`` works
     from any folder."""
@@ -641,27 +650,27 @@ def train(cfg: VitTrainConfig, hooks: Hooks | None = None) -> RunResult:
 
     cfg = validate(cfg)
     check_output_dir(runs_dir(cfg.out), "runs folder (out)")  # before the images are decoded
-    absolute = {"data": str(Path(cfg.data).expanduser().absolute())}
+    absolute: dict[str, Any] = {"data": str(Path(cfg.data).expanduser().absolute())}
     if cfg.base:
         absolute["base"] = str(Path(cfg.base).expanduser().absolute())
     if cfg.val_dir:
         absolute["val_dir"] = str(Path(cfg.val_dir).expanduser().absolute())
     if cfg.cache_dir:
         absolute["cache_dir"] = str(Path(cfg.cache_dir).expanduser().absolute())
-    return VitRun(dataclasses.replace(cfg, **absolute), hooks or Hooks()).run()
+    return ViTRun(dataclasses.replace(cfg, **absolute), hooks or Hooks()).run()
 
 
 def resume(run_dir: str | Path, hooks: Hooks | None = None, *, steps: int | None = None) -> RunResult:
-    """Continue a ViT run from its latest checkpoint (``toy.train.loop.resume``:
+    """Continue a ViT run from its latest checkpoint (``toy.train.lmrun.resume``:
     ``steps`` may raise the total)."""
-    from toy.train.loop import resume as _resume
+    from toy.train.lmrun import resume as _resume
 
     return _resume(run_dir, hooks, steps=steps)
 
 
 def resume_task(run_dir, hooks, *, lock, ckpt, notes, steps) -> RunResult:
     """The ``toy.train_tasks`` entry point ``vit``: continue the run whose
-    checkpoint ``ckpt`` ``toy.train.loop.resume`` opened; takes over ``lock``."""
+    checkpoint ``ckpt`` ``toy.train.lmrun.resume`` opened; takes over ``lock``."""
     try:
         cfg = from_dict(ckpt.state["config"])
         if steps is not None:
@@ -670,7 +679,7 @@ def resume_task(run_dir, hooks, *, lock, ckpt, notes, steps) -> RunResult:
             raise checkpoint.CheckpointError(
                 f"{run_dir}: already at step {ckpt.step} of {cfg.steps}", hint="pass --steps N with a larger N to go on"
             )
-        run = VitRun(cfg, hooks or Hooks(), resume_from=Path(run_dir), ckpt=ckpt, lock=lock, notes=notes)
+        run = ViTRun(cfg, hooks or Hooks(), resume_from=Path(run_dir), ckpt=ckpt, lock=lock, notes=notes)
     except BaseException:
         lock.release()
         raise
@@ -682,8 +691,8 @@ __all__ = [
     "LoraSpec",
     "PatchFeed",
     "ViTTrainModel",
-    "VitRun",
-    "VitTrainConfig",
+    "ViTRun",
+    "ViTTrainConfig",
     "init_params",
     "lora_shapes",
     "new_head",

@@ -1,4 +1,4 @@
-"""The configuration of a ViT training run: ``VitTrainConfig``.
+"""The configuration of a ViT training run: ``ViTTrainConfig``.
 
 One flat dataclass, JSON-serialisable with ``dataclasses.asdict`` (tuples
 become lists), read back with ``from_dict`` (unknown keys and wrong types
@@ -37,7 +37,7 @@ Fields and defaults (see the dataclass for the list):
   ``lora_alpha`` 16, ``lora_targets`` ("q", "k", "v", "out"). ``freeze`` and
   LoRA need ``base`` and exclude each other.
 
-Errors: ``VitTrainConfigError`` (a ``toy.errors.BadInputError``), whose
+Errors: ``ViTTrainConfigError`` (a ``toy.errors.BadInputError``), whose
 message starts with the field's name and which carries it as ``field``.
 """
 
@@ -56,16 +56,17 @@ LORA_TARGETS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "out": "attn_out", 
 DIMS = ("image_size", "patch_size", "n_channels", "d_model", "n_layer", "n_head", "d_ff")
 
 
-class VitTrainConfigError(BadInputError):
+class ViTTrainConfigError(BadInputError):
     """A training config value is wrong; ``field`` names it."""
 
+    field: str  # always set (BadInputError's may be None)
+
     def __init__(self, field: str, message: str, hint: str | None = None):
-        super().__init__(f"{field}: {message}", hint)
-        self.field = field
+        super().__init__(f"{field}: {message}", hint, field=field)
 
 
 @dataclass(frozen=True)
-class VitTrainConfig:
+class ViTTrainConfig:
     data: str = ""
     val_dir: str | None = None
     val_fraction: float = 0.1
@@ -138,7 +139,7 @@ class VitTrainConfig:
 # -- reading and checking -----------------------------------------------------
 
 _KINDS: dict[str, tuple[str, bool]] = {}  # field -> (base type, optional), from the annotations
-for _f in fields(VitTrainConfig):
+for _f in fields(ViTTrainConfig):
     _ann = str(_f.type)
     _KINDS[_f.name] = (_ann.split("|")[0].split("[")[0].strip(), "None" in _ann)
 
@@ -148,52 +149,52 @@ def _typed(name: str, v: Any) -> Any:
     if v is None:
         if optional:
             return None
-        raise VitTrainConfigError(name, "must be given (not null)")
+        raise ViTTrainConfigError(name, "must be given (not null)")
     if kind == "int":
         if isinstance(v, bool) or not isinstance(v, int):
-            raise VitTrainConfigError(name, f"{v!r} is not a whole number")
+            raise ViTTrainConfigError(name, f"{v!r} is not a whole number")
     elif kind == "float":
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise VitTrainConfigError(name, f"{v!r} is not a number")
+            raise ViTTrainConfigError(name, f"{v!r} is not a number")
         v = float(v)
     elif kind == "bool":
         if not isinstance(v, bool):
-            raise VitTrainConfigError(name, f"{v!r} is not true or false")
+            raise ViTTrainConfigError(name, f"{v!r} is not true or false")
     elif kind == "str":
         if not isinstance(v, str):
-            raise VitTrainConfigError(name, f"{v!r} is not a string")
+            raise ViTTrainConfigError(name, f"{v!r} is not a string")
     elif kind == "tuple":
         if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
-            raise VitTrainConfigError(name, f"{v!r} is not a list")
+            raise ViTTrainConfigError(name, f"{v!r} is not a list")
         v = tuple(v)
     return v
 
 
-def from_dict(d: dict[str, Any]) -> VitTrainConfig:
+def from_dict(d: dict[str, Any]) -> ViTTrainConfig:
     """A validated config from plain data (JSON, TOML, a run's record);
     unknown keys are refused."""
     if not isinstance(d, dict):
-        raise VitTrainConfigError("config", f"expected a mapping of fields, got {type(d).__name__}")
+        raise ViTTrainConfigError("config", f"expected a mapping of fields, got {type(d).__name__}")
     unknown = sorted(set(d) - set(_KINDS))
     if unknown:
-        raise VitTrainConfigError(unknown[0], "unknown key", hint=f"keys: {', '.join(sorted(_KINDS))}")
-    return validate(VitTrainConfig(**{k: _typed(k, v) for k, v in d.items()}))
+        raise ViTTrainConfigError(unknown[0], "unknown key", hint=f"keys: {', '.join(sorted(_KINDS))}")
+    return validate(ViTTrainConfig(**{k: _typed(k, v) for k, v in d.items()}))
 
 
-def to_dict(cfg: VitTrainConfig) -> dict[str, Any]:
+def to_dict(cfg: ViTTrainConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def validate(cfg: VitTrainConfig) -> VitTrainConfig:
+def validate(cfg: ViTTrainConfig) -> ViTTrainConfig:
     """``cfg`` if every field is in range (types too), else
-    ``VitTrainConfigError`` naming the first wrong field."""
+    ``ViTTrainConfigError`` naming the first wrong field."""
     from toy_vit.config import PRESETS
 
     for f in fields(cfg):
         _typed(f.name, getattr(cfg, f.name))
 
     def bad(field: str, msg: str, hint: str | None = None):
-        raise VitTrainConfigError(field, msg, hint)
+        raise ViTTrainConfigError(field, msg, hint)
 
     if not cfg.data:
         bad("data", "no training data: give an image folder (one sub-folder per class)")
@@ -260,4 +261,4 @@ def validate(cfg: VitTrainConfig) -> VitTrainConfig:
     return cfg
 
 
-__all__ = ["DIMS", "LORA_TARGETS", "VitTrainConfig", "VitTrainConfigError", "from_dict", "to_dict", "validate"]
+__all__ = ["DIMS", "LORA_TARGETS", "ViTTrainConfig", "ViTTrainConfigError", "from_dict", "to_dict", "validate"]

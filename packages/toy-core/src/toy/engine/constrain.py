@@ -106,7 +106,12 @@ def _any_object() -> dict[str, Any]:
 
 
 class ConstraintError(BadInputError):
-    """A constraint that cannot be compiled (a bad schema, grammar or regex)."""
+    """A constraint that cannot be compiled (a bad schema, grammar or regex). Its ``field`` is
+    ``constraint`` (``SamplingParams``' name for it) when the constraint is at fault; a front end that
+    took the constraint from one of its own inputs names that input instead."""
+
+
+_FIELD = "constraint"
 
 
 @dataclass(frozen=True)
@@ -130,9 +135,9 @@ class Constraint:
             try:
                 schema = json.loads(schema)
             except ValueError as e:
-                raise ConstraintError(f"the JSON schema is not valid JSON: {e}") from None
+                raise ConstraintError(f"the JSON schema is not valid JSON: {e}", field=_FIELD) from None
         if not isinstance(schema, (dict, bool)):
-            raise ConstraintError(f"a JSON schema is an object, not {type(schema).__name__}")
+            raise ConstraintError(f"a JSON schema is an object, not {type(schema).__name__}", field=_FIELD)
         return cls("json_schema", json.dumps(schema, ensure_ascii=False))  # key order kept: it is the output's
 
     @classmethod
@@ -147,16 +152,18 @@ class Constraint:
 
     def validate(self) -> Constraint:
         if self.kind not in KINDS:
-            raise ConstraintError(f"constraint kind {self.kind!r} is not one of {', '.join(KINDS)}")
+            raise ConstraintError(f"constraint kind {self.kind!r} is not one of {', '.join(KINDS)}", field=_FIELD)
         if not isinstance(self.text, str):
-            raise ConstraintError(f"the {self.kind} constraint must be text, not {type(self.text).__name__}")
+            msg = f"the {self.kind} constraint must be text, not {type(self.text).__name__}"
+            raise ConstraintError(msg, field=_FIELD)
         if len(self.text) > MAX_CONSTRAINT_CHARS:
             raise ConstraintError(
                 f"the {self.kind} constraint has {len(self.text)} characters; at most "
-                f"{MAX_CONSTRAINT_CHARS} are allowed"
+                f"{MAX_CONSTRAINT_CHARS} are allowed",
+                field=_FIELD,
             )
         if self.kind in ("grammar", "regex") and not self.text.strip():
-            raise ConstraintError(f"the {self.kind} constraint is empty")
+            raise ConstraintError(f"the {self.kind} constraint is empty", field=_FIELD)
         return self
 
     def describe(self) -> str:
@@ -164,7 +171,7 @@ class Constraint:
 
 
 def _llg():
-    import llguidance
+    import llguidance  # lazy: ~0.15 s that only a constrained generation needs
 
     return llguidance
 
@@ -183,7 +190,7 @@ def grammar_text(c: Constraint) -> str:
             return llg.LLMatcher.grammar_from_regex(c.text)
         return llg.grammar_from("grammar", c.text)
     except ValueError as e:
-        raise ConstraintError(f"the {c.describe()} cannot be compiled: {e}") from None
+        raise ConstraintError(f"the {c.describe()} cannot be compiled: {e}", field=_FIELD) from None
 
 
 _TOKENIZERS_LOCK = threading.Lock()
@@ -234,7 +241,7 @@ def check(c: Constraint, tokenizer) -> str:
     text = grammar_text(c)
     err = _llg().LLMatcher.validate_grammar(text, ll_tokenizer(tokenizer))
     if err:
-        raise ConstraintError(f"the {c.describe()} cannot be compiled: {err}")
+        raise ConstraintError(f"the {c.describe()} cannot be compiled: {err}", field=_FIELD)
     return text
 
 
@@ -249,7 +256,8 @@ class Matcher:
         lt = ll_tokenizer(tokenizer)
         self._m = llg.LLMatcher(lt, check(c, tokenizer))
         if self._m.is_error():
-            raise ConstraintError(f"the {c.describe()} cannot be compiled: {self._m.get_error()}")
+            msg = f"the {c.describe()} cannot be compiled: {self._m.get_error()}"
+            raise ConstraintError(msg, field=_FIELD)
         self._n_tok = min(lt.vocab_size, n_vocab)  # rows past the tokenizer's vocabulary (padding) stay masked
         self._words = np.zeros((lt.vocab_size + 31) // 32, np.uint32)
         self._allowed = np.zeros(n_vocab, bool)
@@ -271,12 +279,14 @@ class Matcher:
     def advance(self, token: int) -> None:
         if not self._m.consume_token(int(token)):
             self._raise_on_error()
-            raise ConstraintError(f"token {token} does not continue the {self.constraint.describe()}")
+            msg = f"token {token} does not continue the {self.constraint.describe()}"
+            raise ConstraintError(msg, field="token")
         self.done = self._m.is_stopped()
 
     def _raise_on_error(self) -> None:
         if self._m.is_error():
-            raise ConstraintError(f"the {self.constraint.describe()} failed: {self._m.get_error()}")
+            msg = f"the {self.constraint.describe()} failed: {self._m.get_error()}"
+            raise ConstraintError(msg, field=_FIELD)
 
 
 __all__ = ["KINDS", "Constraint", "ConstraintError", "Matcher", "check", "grammar_text", "ll_tokenizer"]

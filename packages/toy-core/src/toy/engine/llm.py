@@ -92,7 +92,8 @@ F16, F32, I32, I64 = toy_ggml.GGMLType.F16, toy_ggml.GGMLType.F32, toy_ggml.GGML
 
 class ContextOverflowError(BadInputError):
     """A sequence would grow past its slot's context length (bad input: the
-    CLI exits 2)."""
+    CLI exits 2). Its ``field`` is ``prompt``: the input that has to shrink
+    (or the budget beside it)."""
 
 
 @dataclass
@@ -146,9 +147,9 @@ class LLMEngine:
         adapters: Sequence[dict] | None = None,
     ):
         if n_batch < 1:
-            raise BadInputError(f"n_batch={n_batch} must be >= 1")
+            raise BadInputError(f"n_batch={n_batch} must be >= 1", field="n_batch")
         self.cfg, self.weights, self.runtime = cfg, weights, runtime
-        self.arch = models.of(cfg)
+        self.arch = models.language_model_of(cfg)
         # the layers' attention windows (0: full): one mask input per window and mask
         self.windows = self.arch.windows(cfg)
         self._win = [self.windows.index(self.arch.sliding_window(cfg, i)) for i in range(cfg.n_layer)]
@@ -261,7 +262,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ graphs
 
-    def _new_graph(self, n: int, masks: list[tuple[int, int]], n_out: int):
+    def _new_graph(self, n: int, masks: list[tuple[int, ...]], n_out: int):
         """Input tensors for a step of n tokens: tokens, pos, k_idx, v_idx,
         one mask per (rows, n_kv) in ``masks`` and window, and out_idx when
         n_out < n."""
@@ -368,7 +369,7 @@ class LLMEngine:
             return self._finish(key, cin, feeds, ops, size, self._decode_forward(ops, feeds, attend))
         cin, feeds, ops, size = self._new_graph(S, [(1, n) for n in n_kvs], S)
 
-        def attend(layer, q, k, v):
+        def attend_each(layer, q, k, v):  # each sequence over its own slot
             kc, vc = self._write(ops, layer, k, v, feeds, S)
             outs = []
             for j, (slot, n_kv) in enumerate(zip(slots, n_kvs)):
@@ -380,7 +381,7 @@ class LLMEngine:
                 a = ops.concat(a, o, 0)
             return a
 
-        return self._finish(key, cin, feeds, ops, size, self._decode_forward(ops, feeds, attend))
+        return self._finish(key, cin, feeds, ops, size, self._decode_forward(ops, feeds, attend_each))
 
     # ------------------------------------------------------------------ feeds
 
@@ -433,20 +434,24 @@ class LLMEngine:
                 f"{start + n} tokens exceed the context of {self.n_ctx} tokens"
                 + (f" ({start} already in the sequence)" if start else ""),
                 hint="shorten the prompt or max_tokens, or load the model with a larger n_ctx",
+                field="prompt",
             )
         return start
 
-    def prefill(self, slot: int, ids: Sequence[int], all_logits: bool = False, hidden: bool = False) -> np.ndarray:
+    def prefill(
+        self, slot: int, ids: Sequence[int] | np.ndarray, all_logits: bool = False, hidden: bool = False
+    ) -> np.ndarray:
         """Append ``ids`` to ``slot``'s sequence; return the logits of the
         last token (V,) or, with ``all_logits``, of every token (n, V).
         ``hidden``: the final normed hidden states instead of logits
         ((d,) or (n, d)), for embeddings."""
         ids = np.asarray(ids, dtype=np.int32).reshape(-1)
         if len(ids) == 0:
-            raise BadInputError("prefill: no tokens")
+            raise BadInputError("prefill: no tokens", field="ids")
         bad = ids[(ids < 0) | (ids >= self.cfg.n_vocab)]
         if len(bad):
-            raise BadInputError(f"token id {int(bad[0])} is outside the vocabulary (0..{self.cfg.n_vocab - 1})")
+            msg = f"token id {int(bad[0])} is outside the vocabulary (0..{self.cfg.n_vocab - 1})"
+            raise BadInputError(msg, field="ids")
         start = self._room(slot, len(ids))
         rows = []
         for a in range(0, len(ids), self.n_batch):
@@ -469,13 +474,14 @@ class LLMEngine:
         """One token for each sequence (distinct slots): logits (S, V)."""
         slots_t = tuple(int(s) for s in slots)
         if len(set(slots_t)) != len(slots_t) or not slots_t:
-            raise BadInputError(f"decode: slots {slots_t} must be distinct and non-empty")
+            raise BadInputError(f"decode: slots {slots_t} must be distinct and non-empty", field="slots")
         if len(tokens) != len(slots_t):
-            raise BadInputError(f"decode: {len(tokens)} tokens for {len(slots_t)} slots")
+            raise BadInputError(f"decode: {len(tokens)} tokens for {len(slots_t)} slots", field="tokens")
         tok = np.asarray(tokens, np.int32)
         bad = tok[(tok < 0) | (tok >= self.cfg.n_vocab)]
         if len(bad):
-            raise BadInputError(f"decode: token id {int(bad[0])} is outside the vocabulary (0..{self.cfg.n_vocab - 1})")
+            msg = f"decode: token id {int(bad[0])} is outside the vocabulary (0..{self.cfg.n_vocab - 1})"
+            raise BadInputError(msg, field="tokens")
         pos = np.array([self._room(s, 1) for s in slots_t], np.int64)
         n_kvs = tuple(self._n_kv(int(p) + 1) for p in pos)
         g = self._decode_graph(slots_t, n_kvs)

@@ -132,7 +132,8 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", tuple(pairs))
 
     def validate(self) -> SamplingParams:
-        """Raise ``ToyError`` naming the first out-of-range field; return ``self`` so calls chain."""
+        """Raise ``SamplingError`` naming the first out-of-range field (in its message and as its
+        ``field``, the parameter's name here); return ``self`` so calls chain."""
         _check_real("temperature", self.temperature, lambda v: v >= 0, ">= 0")
         _check_int("top_k", self.top_k, lambda v: v >= 0, ">= 0")
         _check_real("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
@@ -147,47 +148,54 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lambda v: 0 <= v <= MAX_LOGPROBS, f"None or in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
-            raise SamplingError(f"stop={self.stop!r} must be a string or a list of strings")
+            raise SamplingError(f"stop={self.stop!r} must be a string or a list of strings", field="stop")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise SamplingError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+            msg = f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed"
+            raise SamplingError(msg, field="stop")
         if any(s == "" for s in self.stop):
-            raise SamplingError(f"stop={self.stop!r} contains an empty string", hint="an empty stop would end at once")
+            msg = f"stop={self.stop!r} contains an empty string"
+            raise SamplingError(msg, hint="an empty stop would end at once", field="stop")
         if not isinstance(self.stop_tokens, tuple) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_tokens
         ):
-            raise SamplingError(f"stop_tokens={self.stop_tokens!r} must be a list of token ids >= 0")
+            msg = f"stop_tokens={self.stop_tokens!r} must be a list of token ids >= 0"
+            raise SamplingError(msg, field="stop_tokens")
         if not isinstance(self.ignore_eos, bool):
-            raise SamplingError(f"ignore_eos={self.ignore_eos!r} must be true or false")
+            raise SamplingError(f"ignore_eos={self.ignore_eos!r} must be true or false", field="ignore_eos")
         self._check_logit_bias()
         if self.constraint is not None:
             if not isinstance(self.constraint, Constraint):
-                raise SamplingError(f"constraint={self.constraint!r} must be a toy.engine.constrain.Constraint")
+                msg = f"constraint={self.constraint!r} must be a toy.engine.constrain.Constraint"
+                raise SamplingError(msg, field="constraint")
             self.constraint.validate()
         return self
 
     def _check_logit_bias(self) -> None:
         bias = self.logit_bias
         if not isinstance(bias, tuple) or not all(isinstance(e, tuple) and len(e) == 2 for e in bias):
-            raise SamplingError(f"logit_bias={bias!r} must map token ids to numbers")
+            raise SamplingError(f"logit_bias={bias!r} must map token ids to numbers", field="logit_bias")
         if len(bias) > MAX_LOGIT_BIAS:
-            raise SamplingError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+            msg = f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed"
+            raise SamplingError(msg, field="logit_bias")
         for t, b in bias:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise SamplingError(f"logit_bias has token id {t!r}; ids are integers >= 0")
+                raise SamplingError(f"logit_bias has token id {t!r}; ids are integers >= 0", field="logit_bias")
             if isinstance(b, bool) or not isinstance(b, float) or not -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE:
                 raise SamplingError(
                     f"logit_bias has bias {b!r} for token {t}; a bias is a number in "
-                    f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]"
+                    f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]",
+                    field="logit_bias",
                 )
         ids = [t for t, _ in bias]
         if len(set(ids)) != len(ids):
-            raise SamplingError("logit_bias has a token id twice")
+            raise SamplingError("logit_bias has a token id twice", field="logit_bias")
 
     @classmethod
     def greedy(cls, **kw) -> SamplingParams:
         """Deterministic decoding: temperature 0 and the filters off; other fields from ``kw``."""
         if "temperature" in kw:
-            raise SamplingError(f"greedy() sets temperature=0; got temperature={kw['temperature']!r}")
+            msg = f"greedy() sets temperature=0; got temperature={kw['temperature']!r}"
+            raise SamplingError(msg, field="temperature")
         _check_fields(kw)
         base = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
         return cls(**{**base, **kw}).validate()
@@ -219,24 +227,25 @@ def _check_fields(kw: dict) -> None:
     known = {f.name for f in dataclasses.fields(SamplingParams)}
     unknown = sorted(set(kw) - known)
     if unknown:
-        raise SamplingError(f"unknown sampling parameter {unknown[0]!r}", hint=f"known: {', '.join(sorted(known))}")
+        hint = f"known: {', '.join(sorted(known))}"
+        raise SamplingError(f"unknown sampling parameter {unknown[0]!r}", hint=hint, field=unknown[0])
 
 
 def _check_real(name: str, value: object, ok, rule: str) -> None:
     # `ok` states the allowed range positively, so NaN (every comparison false) fails it.
     if isinstance(value, bool) or not isinstance(value, Real):
-        raise SamplingError(f"{name}={value!r} must be a number")
+        raise SamplingError(f"{name}={value!r} must be a number", field=name)
     if not math.isfinite(value):
-        raise SamplingError(f"{name}={value!r} must be finite and {rule}")
+        raise SamplingError(f"{name}={value!r} must be finite and {rule}", field=name)
     if not ok(value):
-        raise SamplingError(f"{name}={value!r} must be {rule}")
+        raise SamplingError(f"{name}={value!r} must be {rule}", field=name)
 
 
 def _check_int(name: str, value: object, ok, rule: str) -> None:
     if isinstance(value, bool) or not isinstance(value, Integral):
-        raise SamplingError(f"{name}={value!r} must be an integer")
+        raise SamplingError(f"{name}={value!r} must be an integer", field=name)
     if not ok(value):
-        raise SamplingError(f"{name}={value!r} must be {rule}")
+        raise SamplingError(f"{name}={value!r} must be {rule}", field=name)
 
 
 def _as_logits(logits) -> np.ndarray:
@@ -286,6 +295,7 @@ def apply_penalties(
         raise SamplingError(
             f"history token id {bad} is outside the vocabulary [0, {x.size})",
             hint="tokenizer and model vocabularies differ?",
+            field="history",
         )
     counts = np.bincount(window, minlength=x.size)
     # Work on the seen ids only (at most last_n of them), not on all V logits: this runs every step.
@@ -380,7 +390,7 @@ def _top_of(logprobs: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
 def top_logprobs(logits, n: int) -> tuple[np.ndarray, np.ndarray]:
     """The ``n`` most likely ids (descending, ties by lower id; at most V) and their log_softmax values."""
     if n < 0:
-        raise SamplingError(f"n={n} must be >= 0")
+        raise SamplingError(f"n={n} must be >= 0", field="n")
     return _top_of(log_softmax(logits), n)
 
 
@@ -389,23 +399,27 @@ class Sampler:
     ``params.seed`` (or a fresh seed, kept in ``.seed`` so the run can be repeated). ``tokenizer``
     (the model's ``toy.tokenizer.Tokenizer``) is needed for ``params.constraint`` only."""
 
-    def __init__(self, params: SamplingParams, n_vocab: int, tokenizer=None):
+    # n_vocab: int | Integral, as mypy does not know int is a numbers.Integral (the check below would be unreachable)
+    def __init__(self, params: SamplingParams, n_vocab: int | Integral, tokenizer=None):
         self.params = params.validate()
         if isinstance(n_vocab, bool) or not isinstance(n_vocab, Integral) or n_vocab <= 0:
-            raise SamplingError(f"n_vocab={n_vocab!r} must be a positive integer")
+            raise SamplingError(f"n_vocab={n_vocab!r} must be a positive integer", field="n_vocab")
         self.n_vocab = int(n_vocab)
         too_big = [t for t in params.stop_tokens if t >= self.n_vocab]
         if too_big:
-            raise SamplingError(f"stop_tokens id {too_big[0]} is outside the vocabulary [0, {self.n_vocab})")
+            msg = f"stop_tokens id {too_big[0]} is outside the vocabulary [0, {self.n_vocab})"
+            raise SamplingError(msg, field="stop_tokens")
         outside = [t for t, _ in params.logit_bias if t >= self.n_vocab]
         if outside:
-            raise SamplingError(f"logit_bias has token id {outside[0]}, outside the vocabulary [0, {self.n_vocab})")
+            msg = f"logit_bias has token id {outside[0]}, outside the vocabulary [0, {self.n_vocab})"
+            raise SamplingError(msg, field="logit_bias")
         self._bias_ids = np.array([t for t, _ in params.logit_bias], np.int64)
         self._bias = np.array([b for _, b in params.logit_bias], np.float64)
         self.matcher: Matcher | None = None
         if params.constraint is not None:
             if tokenizer is None:
-                raise SamplingError("a constraint needs the model's tokenizer (Sampler(..., tokenizer=...))")
+                msg = "a constraint needs the model's tokenizer (Sampler(..., tokenizer=...))"
+                raise SamplingError(msg, field="tokenizer")
             self.matcher = Matcher(params.constraint, tokenizer, self.n_vocab)
         # 63 bits so the recorded seed is itself a valid SamplingParams.seed.
         self.seed = int(params.seed) if params.seed is not None else secrets.randbits(63)
@@ -474,7 +488,7 @@ class Sampler:
         if n is None:
             return None
         if not 0 <= token < self.n_vocab:
-            raise SamplingError(f"token={token} is outside the vocabulary [0, {self.n_vocab})")
+            raise SamplingError(f"token={token} is outside the vocabulary [0, {self.n_vocab})", field="token")
         lp = log_softmax(self._check(logits))
         ids, values = _top_of(lp, n)
         top = tuple((int(i), float(v)) for i, v in zip(ids, values))
