@@ -1,7 +1,7 @@
 """The KV-cache engine (toy.engine.llm.LLMEngine) on tiny seeded models.
 
 Every expected value comes from the float64 NumPy reference
-(toy.reference.llama_np, written from the math) or from an equality between
+(toy_testsupport.reference.llama_np, written from the math) or from an equality between
 two engine paths (micro-batched vs one-batch prefill, batched vs solo
 decode, truncated-and-refilled vs fresh cache).
 
@@ -29,7 +29,6 @@ import math
 
 import numpy as np
 import pytest
-from tiny_llama import ROPE_VARIANTS, VARIANTS, write_tiny  # registered by the root conftest.py
 
 import toy_ggml as tg
 from toy.engine.llm import ContextOverflowError, LLMEngine
@@ -37,8 +36,9 @@ from toy.errors import ToyError
 from toy.gguf import GGUFFile
 from toy.gguf.convert import quantize_model
 from toy.models.common import padded_length
-from toy.reference import llama_np
-from toy.reference.full import FullModel
+from toy_testsupport.reference import llama_np
+from toy_testsupport.reference.full import FullModel
+from toy_testsupport.tiny_llama import ROPE_VARIANTS, VARIANTS, write_tiny
 
 TOL_F32 = 1e-4
 TOL_F16 = 1e-2
@@ -352,7 +352,7 @@ def test_context_overflow(rt, models):
     try:
         with pytest.raises(ContextOverflowError, match=r"\b17 tokens exceed the context of 16 tokens") as exc:
             e.prefill(0, ids)
-        assert isinstance(exc.value, ToyError)
+        assert isinstance(exc.value, ToyError) and exc.value.field == "prompt"  # the server's param: the input
         assert e.cache.length(0) == 0 and e.stats.computes == 0  # raised before any compute
         e.prefill(0, ids[:10])
         with pytest.raises(ContextOverflowError, match=r"\b17 tokens .* 16 tokens \(10 already in the sequence\)"):

@@ -33,6 +33,7 @@ class Choice:
         self.usage: dict = {}
         self.timings: dict = {}
         self.error: str | None = None
+        self.shutting_down = False  # the error is the server stopping (503), not a failure (500)
         self.vector: np.ndarray | None = None
         self.lp: Any = None  # LegacyLogprobs (completions) or a list (chat), when logprobs were asked for
         self.echo = ""
@@ -50,7 +51,7 @@ class Choice:
         elif t == "done":
             self.finish, self.usage, self.timings = ev["finish_reason"], ev.get("usage", {}), ev.get("timings", {})
         elif t == "error":
-            self.error = ev["message"]
+            self.error, self.shutting_down = ev["message"], bool(ev.get("shutting_down"))
 
 
 class Batch:
@@ -75,8 +76,10 @@ class Batch:
 
     def submit(self) -> None:
         worker = self.srv.worker
+        assert worker is not None  # requests reach here once the server started (status "ok")
         try:
             for c in self.choices:
+                assert c.job is not None  # add() gives every choice its job
                 worker.submit(c.job)
         except BaseException:
             self.cancel()
@@ -84,6 +87,7 @@ class Batch:
 
     def cancel(self) -> None:
         for c in self.choices:
+            assert c.job is not None  # add() gives every choice its job
             c.job.cancel()
 
     async def _watch(self) -> None:
@@ -113,7 +117,7 @@ class Batch:
         errors = [c.error for c in self.choices if c.error]
         if not errors:
             return None
-        if any("shutting down" in e for e in errors):
+        if any(c.shutting_down for c in self.choices if c.error):
             return APIError(503, errors[0], type="server_error", headers={"retry-after": "1"})
         return internal(errors[0], self.rid)
 

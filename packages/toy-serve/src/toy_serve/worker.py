@@ -26,9 +26,18 @@ app forwards to asyncio). Events: ``{"type": "prompt_logprobs", "items"}``,
 while UTF-8 or a possible stop string is held back; a stop token is
 reported with ``"stop": True`` and empty text, and counted in the usage), ``{"type":
 "embedding", "vector"}``, ``{"type": "done", "finish_reason", "usage",
-"timings"}`` and ``{"type": "error", "message"}``. ``done`` or ``error`` is
-always the last event. A cancelled job (client gone) frees its slot at the
-next step and ends with finish_reason "cancelled".
+"timings"}`` and ``{"type": "error", "message", "shutting_down"}``
+(``shutting_down``: the job was ended by the server stopping, a 503, not by a
+failure). ``done`` or ``error`` is always the last event. A cancelled job
+(client gone) frees its slot at the next step and ends with finish_reason
+"cancelled".
+
+The token step is the library's: a generate job carries a
+``toy.engine.decoding.DecodeState`` (sampler, stop tokens and strings,
+UTF-8 decoder, history, logprobs, token limit, one order of operations) and
+slots are picked with its ``reuse_prefix``; this module only adds what a
+server does around it (batching, the stop token as an event counted in the
+usage, prompt logprobs, cancellation). See docs/concepts/architecture.md.
 """
 
 from __future__ import annotations
@@ -43,40 +52,52 @@ from typing import Any
 
 import numpy as np
 
-from toy.engine.sampling import Sampler, SamplingParams, log_softmax, top_logprobs
-from toy.engine.stop import StopMatcher
+from toy.engine.decoding import DecodeState, reuse_prefix
+from toy.engine.sampling import SamplingParams, log_softmax, top_logprobs
 from toy.errors import BadInputError, ToyError
 
 log = logging.getLogger("toy_serve")
 
 
 class QueueFullError(ToyError):
-    """The queue is full: answer 429 with Retry-After."""
+    """No place for the request: the queue is full (429 with Retry-After) or, with ``shutting_down``, the
+    server is stopping (503)."""
+
+    def __init__(self, message: str, hint: str | None = None, *, shutting_down: bool = False):
+        super().__init__(message, hint)
+        self.shutting_down = shutting_down
 
 
 @dataclass
 class Job:
+    """One request sequence: what it asks for, then the worker's state of it (every field it carries)."""
+
     id: str
     ids: list[int]
     params: SamplingParams
-    emit: Callable[[dict], None]
+    emit: Callable[[dict], object]  # called with each event; what it returns is ignored
     kind: str = "generate"  # "generate" | "embed"
     prompt_logprobs: int | None = None  # echo scoring: top-n alternatives per prompt token
     adapter: int | None = None  # the selectable LoRA adapter (engine index) this job uses; None: the base
     cancelled: threading.Event = field(default_factory=threading.Event)
     # worker state
+    decoding: DecodeState | None = field(default=None, repr=False)  # a "generate" job's token step (by submit)
     slot: int = -1
     pos: int = 0  # prompt tokens already in the cache
-    cached: int = 0
-    phase: str = "queued"
-    out: list[int] = field(default_factory=list)
-    pending: int | None = None
-    hidden: list[np.ndarray] = field(default_factory=list)
-    prompt_lp: list[dict | None] = field(default_factory=list)
+    cached: int = 0  # of them, reused from the slot's cache
+    phase: str = "queued"  # queued -> prefill | embed -> decode -> done
+    pending: int | None = None  # the last sampled token, fed to the next decode step
+    hidden: list[np.ndarray] = field(default_factory=list)  # an "embed" job's hidden states, chunk by chunk
+    prompt_lp: list[dict | None] = field(default_factory=list)  # prompt logprobs so far
     t_submit: float = field(default_factory=time.perf_counter)
-    t_start: float = 0.0
-    t_first: float = 0.0
-    t_last: float = 0.0
+    t_start: float = 0.0  # placed in a slot
+    t_first: float = 0.0  # first token sampled
+    t_last: float = 0.0  # last token sampled
+
+    @property
+    def out(self) -> list[int]:
+        """The tokens generated so far, a stop token included (the usage counts it)."""
+        return self.decoding.tokens if self.decoding is not None else []
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -127,7 +148,7 @@ class EngineWorker:
     def submit(self, job: Job) -> Job:
         """Queue a job; raises BadInputError (prompt/budget) or QueueFullError."""
         if not job.ids:
-            raise BadInputError("the prompt is empty (no tokens)")
+            raise BadInputError("the prompt is empty (no tokens)", field="prompt")
         budget = len(job.ids) + (job.params.max_tokens if job.kind == "generate" else 0)
         if budget > self.engine.n_ctx:
             from toy.engine.llm import ContextOverflowError
@@ -137,16 +158,16 @@ class EngineWorker:
                 + (f" + max_tokens {job.params.max_tokens}" if job.kind == "generate" else "")
                 + f"), more than the context of {self.engine.n_ctx} tokens per sequence",
                 hint="shorten the prompt or lower max_tokens",
+                field="prompt",
             )
         if job.kind == "generate":
             # Per-request preparation happens here, on the caller's thread, never under the worker's lock.
-            job.sampler = Sampler(job.params, self.model.cfg.n_vocab, self.model.tokenizer)
-            job.stops = job.params.stop_token_ids(self.model.tokenizer.eog_ids)
-            job.matcher = StopMatcher(job.params.stop)
-            job.decoder = self.model.tokenizer.incremental_decoder()
+            # OpenAI-style accounting: the stop token is reported and counted in the usage.
+            model = self.model
+            job.decoding = DecodeState(job.params, model.tokenizer, model.cfg.n_vocab, job.ids, count_stop_token=True)
         with self._cv:
             if self._stop:
-                raise QueueFullError("the server is shutting down")
+                raise QueueFullError("the server is shutting down", shutting_down=True)
             gone = [j for j in self._queue if j.cancelled.is_set()]  # clients that left do not hold places
             for j in gone:
                 self._queue.remove(j)
@@ -181,7 +202,7 @@ class EngineWorker:
             self._queue.clear()
             self._slots = [None] * self.n_slot
         for j in left:
-            self._fail(j, "the server is shutting down")
+            self._fail(j, "the server is shutting down", shutting_down=True)
 
     def _step(self) -> None:
         self._admit()
@@ -217,26 +238,18 @@ class EngineWorker:
                     self._fail(job, f"{type(e).__name__}: {e}")
 
     def _place(self, job: Job) -> None:
-        """Put a queued job into the free slot that shares the longest prefix."""
+        """Put a queued job into the free slot that shares the longest prefix (``reuse_prefix``, the library's rule)."""
         free = [i for i, j in enumerate(self._slots) if j is None]
-        cache = self.engine.cache
         eng = self.engine
-
-        def reusable(s: int) -> int:  # a cached prefix computed with another adapter is not this job's
-            return cache.common_prefix(s, job.ids) if eng.slot_adapter[s] == job.adapter else 0
-
         if job.prompt_logprobs is None and job.kind == "generate":
-            best = max(free, key=lambda s: (reusable(s), -s))
-            keep = min(reusable(best), len(job.ids) - 1)
+            best, keep = reuse_prefix(eng.cache, free, job.ids, eng.slot_adapter, job.adapter)
         else:  # scoring and embeddings need every prompt position computed: nothing reused
             best, keep = free[0], 0
-        cache.truncate(best, keep)
+        eng.cache.truncate(best, keep)
         eng.slot_adapter[best] = job.adapter
         job.slot, job.pos, job.cached = best, keep, keep
         job.phase = "embed" if job.kind == "embed" else "prefill"
         job.t_start = time.perf_counter()
-        if job.kind == "generate":
-            job.history = list(job.ids)
         self._slots[best] = job
         if self.metrics:
             self.metrics.queue_wait(job.t_start - job.t_submit)
@@ -277,60 +290,52 @@ class EngineWorker:
                 break
             lp = log_softmax(rows[r])
             tok = j.ids[nxt]
-            item = {"token": tok, "logprob": float(lp[tok])}
+            item: dict[str, Any] = {"token": tok, "logprob": float(lp[tok])}
             if n:
                 ids, vals = top_logprobs(rows[r], n)
                 item["top"] = [(int(i), float(v)) for i, v in zip(ids, vals)]
             j.prompt_lp.append(item)
 
     def _after_forward(self, j: Job, logits: np.ndarray) -> None:
-        """Sample the next token from ``logits`` and report it (or finish)."""
-        p = j.params
-        if len(j.out) >= p.max_tokens:
-            self._finish(j, "length")
+        """One token step over ``logits`` (``DecodeState.advance``): report the token, then go on or finish."""
+        first = not j.out
+        assert j.decoding is not None  # submit() gives a "generate" job its DecodeState
+        step = j.decoding.advance(logits)
+        if step.token is None:  # max_tokens=0: nothing sampled
+            assert step.finish_reason is not None  # a step without a token ends generation
+            self._finish(j, step.finish_reason)
             return
-        tok = j.sampler.sample(logits, j.history)
         now = time.perf_counter()
-        if not j.out:
+        if first:
             j.t_first = now
             if self.metrics:
                 self.metrics.ttft(now - j.t_submit)
         elif self.metrics:
             self.metrics.itl(now - j.t_last)
         j.t_last = now
-        lp = j.sampler.token_logprobs(logits, tok)
-        if tok in j.stops:
+        event = {"type": "token", "token": step.token, "text": step.text, "logprob": step.logprob}
+        if step.stop_token:
             # reported (empty text) and counted, as OpenAI-style servers do: a scorer that sends
             # echo + logprobs + max_tokens=1 drops the last logprob entry as "the generated token"
-            j.out.append(tok)
-            self._emit(j, {"type": "token", "token": tok, "text": "", "logprob": lp, "stop": True})
-            self._finish(j, "stop")
-            return
-        j.out.append(tok)
-        j.history.append(tok)
-        text, hit = j.matcher.push(j.decoder.feed(tok))
-        self._emit(j, {"type": "token", "token": tok, "text": text, "logprob": lp})
-        if hit:
-            self._finish(j, "stop", flush=False)
-        elif j.sampler.done:  # the constraint is complete: nothing may follow
-            self._finish(j, "stop")
-        elif len(j.out) >= p.max_tokens:
-            self._finish(j, "length")
+            event["stop"] = True
+        self._emit(j, event)
+        if step.finish_reason is not None:
+            self._finish(j, step.finish_reason)
         else:
-            j.pending = tok
+            j.pending = step.token
 
     # -- endings
 
     def _usage(self, j: Job) -> dict[str, int]:
         return {"prompt_tokens": len(j.ids), "completion_tokens": len(j.out), "cached_tokens": j.cached}
 
-    def _finish(self, j: Job, reason: str, flush: bool = True) -> None:
-        if j.kind == "generate" and flush and j.phase != "queued":
-            tail, hit = j.matcher.push(j.decoder.flush())
-            if not hit:
-                tail += j.matcher.flush()
-            elif reason != "cancelled":
-                reason = "stop"
+    def _finish(self, j: Job, reason: str) -> None:
+        if j.decoding is not None and j.phase != "queued":
+            # the held-back text goes out, also when cancelled (nothing after a stop string); released text that
+            # completes a stop string makes it a "stop"
+            tail = j.decoding.finish()
+            if reason != "cancelled":
+                reason = j.decoding.finish_reason or reason
             if tail:
                 self._emit(j, {"type": "token", "token": None, "text": tail, "logprob": None})
         now = time.perf_counter()
@@ -357,8 +362,8 @@ class EngineWorker:
         if self.metrics:
             self.metrics.finished(j, "cancelled", now - j.t_submit)
 
-    def _fail(self, j: Job, message: str) -> None:
-        self._emit(j, {"type": "error", "message": message})
+    def _fail(self, j: Job, message: str, shutting_down: bool = False) -> None:
+        self._emit(j, {"type": "error", "message": message, "shutting_down": shutting_down})
         j.phase = "done"
         if self.metrics:
             self.metrics.finished(j, "error", time.perf_counter() - j.t_submit)

