@@ -7,10 +7,10 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
-import toy_test_models as mp  # registered by the root conftest.py
 
 from toy.gguf import GGUFFile, GGUFWriter
 from toy.models.card import algorithm_card, summarize, summary_from
+from toy_testsupport import toy_test_models as mp
 
 
 def _summary(path):

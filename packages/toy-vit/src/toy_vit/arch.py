@@ -11,7 +11,10 @@ registry only what a non-LM architecture provides (see ``toy.models``):
 describe ``summary`` (JSON-able facts: ``ModelSummary.extra``),
 ``describe_rows`` and ``card``; ``usage`` (the hint when ``toy.load``
 refuses the file). No ``n_vocab``, token forward, LoRA targets
-or ``train_config``: the LLM engine and ``toy train`` never see it.
+or ``train_config``: the LLM engine and ``toy train`` never see it. It
+conforms to the registry's ``Architecture`` Protocol (``toy.models.protocol``)
+structurally, without subclassing it: mypy checks the match below, and toy's
+registry tests check ``isinstance(ARCH, Architecture)``.
 
 Everything here reads metadata only, never tensor data, and imports no
 ggml (``toy describe`` stays fast).
@@ -21,9 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from toy_vit.config import PRESETS
+
+if TYPE_CHECKING:
+    from toy.models import Architecture
 
 
 def summary(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict[str, Any]:
@@ -113,8 +119,9 @@ def card(s) -> str:
 
 @dataclass(frozen=True)
 class NonLMArchitecture:
-    """A registry entry for an architecture that is not a language model
-    (the members ``toy.models`` documents for plugins)."""
+    """A registry entry for an architecture that is not a language model:
+    an ``Architecture`` with the optional members ``toy.models.protocol``
+    documents for plugins."""
 
     family: str
     names: tuple[str, ...]
@@ -170,5 +177,8 @@ ARCH = NonLMArchitecture(
     card=card,
     usage="a ViT classifies images: toy_vit.load(path).classify(images) in Python, or the `toy vit` commands",
 )
+
+if TYPE_CHECKING:
+    _conforms: Architecture = ARCH  # the structural check, for mypy
 
 __all__ = ["ARCH", "NonLMArchitecture", "card", "describe_rows", "summary"]

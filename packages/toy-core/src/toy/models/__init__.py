@@ -9,7 +9,11 @@ is one new module plus its tests, and one line in ``_MODULES``.
 
 The protocol
 ------------
-An architecture module defines ``ARCH``, an ``Architecture`` with:
+An architecture module defines ``ARCH``. What every ``ARCH`` provides is the
+typed Protocol ``Architecture``, and what a language model adds is
+``LanguageModel`` (both in ``toy.models.protocol``, which also lists the
+optional members); the built-in families are ``LMArchitecture`` instances,
+which conform to ``LanguageModel``:
 
 - ``family`` (str) and ``names`` (tuple of ``general.architecture`` values it
   runs); ``presets`` (name -> dimensions for ``toy train from-scratch``);
@@ -61,8 +65,15 @@ not all alike (Gemma):
 - ``final_softcap(cfg)``: 0, or c: the logits become ``c · tanh(z / c)``
   (``forward`` applies it to its head; ``forward_batch``, which runs the
   head itself, asks for it);
-- ``summary``, ``describe_rows``, ``card``: as for plugins below, for a
-  built-in family whose card ``toy.models.card`` does not write.
+- ``summary``, ``describe_rows``, ``card``: ``toy describe``'s hooks, as
+  for plugins below: the llama and gpt2 families use the decoder card of
+  ``toy.models.card`` (``decoder_card``), Gemma writes its own summary,
+  rows and card;
+- ``traits``: ``general.architecture`` -> ``Traits``, what each name fixes
+  that its file does not say (the norm and positions a silent file has,
+  llama.cpp's RoPE pairing, olmoe's and qwen3moe's MoE choices); the
+  family's config and ``toy.models.card`` read it, so the card keeps no
+  table of families.
 
 Shared graph pieces (masks, KV padding, the attention core, batched training
 attention) live once in ``toy.models.common``.
@@ -87,18 +98,26 @@ and ``params(cfg)`` (``toy.train.model.init_params`` reads it), and for
 facts as a JSON-able dict, ``ModelSummary.extra``), ``describe_rows(extra)``
 (``(label, text)`` rows) and ``card(summary)`` (its algorithm card); see
 ``toy.models.card``; ``usage`` (a line on how to run it: the hint when
-``toy.load`` refuses it). ``language_model(name)`` tells the two kinds
-apart; ``require_language_model(name)`` refuses a non-LM.
+``toy.load`` refuses it): the ``Architecture`` Protocol and its optional
+members (``toy.models.protocol``). ``language_model(name)`` tells the two
+kinds apart; ``require_language_model(name)`` refuses a non-LM;
+``get_language_model(name)`` / ``language_model_of(cfg)`` are ``get`` /
+``of`` typed ``LanguageModel`` for the callers that run one (the engine,
+training, LoRA, checkpoints), refusing a non-LM the same way.
+
+Invariant: importing this module, and resolving a built-in name, imports
+neither numpy nor ggml (the CLI's help texts list the families from here).
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 from toy.errors import BadInputError
+from toy.models.protocol import Architecture, LanguageModel, Traits
 
 #: kinds of trainable tensor: init and weight decay (``toy.train.model``)
 KINDS = ("embedding", "position", "matrix", "residual", "norm", "norm_bias", "bias")
@@ -147,9 +166,12 @@ class LoraTarget:
 
 
 @dataclass(frozen=True)
-class Architecture:
-    """What an architecture module gives the rest of toy (its ``ARCH``);
-    the members are described in this module's docstring."""
+class LMArchitecture:
+    """The ``ARCH`` of a built-in family (a language-model plugin may use it
+    too): a frozen dataclass that conforms to the ``LanguageModel``
+    Protocol, with the optional per-layer members defaulting to "all layers
+    alike" and the ``toy describe`` hooks to none. The members are described
+    in this module's docstring."""
 
     family: str
     names: tuple[str, ...]
@@ -170,6 +192,7 @@ class Architecture:
     summary: Callable[..., Any] | None = None
     describe_rows: Callable[..., Any] | None = None
     card: Callable[..., Any] | None = None
+    traits: Mapping[str, Traits] = field(default_factory=dict)
 
     def config_from_gguf(self, gf) -> Any:
         return self.config_from_metadata(gf.metadata, gf.tensors)
@@ -186,7 +209,7 @@ ENTRY_POINT_GROUP = "toy.architectures"
 
 def _entry_points() -> dict[str, str]:
     """name -> module of the installed ``toy.architectures`` entry points."""
-    from importlib.metadata import entry_points
+    from importlib.metadata import entry_points  # lazy: ~0.05 s; built-in names never need it
 
     return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
@@ -201,15 +224,27 @@ def registered() -> tuple[str, ...]:
     return tuple(_MODULES)
 
 
+def language_models() -> tuple[LanguageModel, ...]:
+    """The built-in families' ``ARCH`` objects, one each, in registry order
+    (llama, gpt2, gemma): what ``--arch``, ``--preset`` and ``--targets``
+    offer (the CLI's help texts list them from here)."""
+    out: dict[str, LanguageModel] = {}
+    for name in _MODULES:
+        arch = get_language_model(name)
+        out.setdefault(arch.family, arch)
+    return tuple(out.values())
+
+
 def families() -> tuple[str, ...]:
     """The architecture families (one module each), e.g. for ``--arch``."""
-    return tuple(dict.fromkeys(get(n).family for n in _MODULES))
+    return tuple(arch.family for arch in language_models())
 
 
-def get(name: str | None) -> Any:
+def get(name: str | None) -> Architecture:
     """The architecture object (``ARCH``) for a ``general.architecture``
     value or a family name; ``UnsupportedModelError`` listing the registered
-    ones for anything else."""
+    ones for anything else. A built-in's is a ``LanguageModel``; a plugin's
+    may be an ``Architecture`` only (``language_model(name)`` tells)."""
     module = (_MODULES.get(name) or _FAMILIES.get(name)) if isinstance(name, str) else None
     if module is None and isinstance(name, str):
         module = _entry_points().get(name)  # an architecture another distribution adds
@@ -223,12 +258,13 @@ def get(name: str | None) -> Any:
             + (f"; installed plugins: {', '.join(extra)}" if extra else ""),
         )
     try:
-        return importlib.import_module(module).ARCH
+        arch: Architecture = importlib.import_module(module).ARCH
     except (ImportError, AttributeError) as e:
         raise UnsupportedModelError(
             f"architecture {name!r}: its module {module!r} does not load ({e})",
             hint="reinstall the distribution that provides it",
         ) from None
+    return arch
 
 
 def language_model(name: str | None) -> bool:
@@ -243,31 +279,46 @@ def require_language_model(name: str | None) -> None:
     ``usage`` (optional) becomes the hint."""
     if name in _MODULES:
         return
+    get_language_model(name)
+
+
+def get_language_model(name: str | None) -> LanguageModel:
+    """``get(name)`` for the callers that run a language model (the engine,
+    training, LoRA, checkpoints): the same object, typed ``LanguageModel``;
+    ``UnsupportedModelError`` for an architecture that is not one (a
+    plugin's ``usage``, optional, is the hint)."""
     arch = get(name)
     if not getattr(arch, "language_model", True):
         raise UnsupportedModelError(
             f"architecture {name!r} is not a language model: it cannot generate text",
             hint=getattr(arch, "usage", None),
         )
+    # what language_model (default True) promises; test_registry_protocol checks it for the built-ins
+    return cast(LanguageModel, arch)
 
 
 def lora_target_names() -> tuple[str, ...]:
     """Every LoRA target name of any architecture (``lora_names``), in
     registry order: what a config may name before a model is known."""
-    return tuple(dict.fromkeys(t for n in _MODULES for t in get(n).lora_names))
+    return tuple(dict.fromkeys(t for arch in language_models() for t in arch.lora_names))
 
 
-def of(cfg) -> Any:
+def of(cfg: Any) -> Architecture:
     """The architecture of a config."""
     return get(cfg.architecture)
 
 
-def config_from_metadata(metadata, tensors):
+def language_model_of(cfg: Any) -> LanguageModel:
+    """The architecture of a language model's config (``get_language_model``)."""
+    return get_language_model(cfg.architecture)
+
+
+def config_from_metadata(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> Any:
     """The config of a model from its metadata and tensor infos."""
     return get(metadata.get("general.architecture")).config_from_metadata(metadata, tensors)
 
 
-def config_from_gguf(gf):
+def config_from_gguf(gf: Any) -> Any:
     """The config of an open ``GGUFFile``."""
     return config_from_metadata(gf.metadata, gf.tensors)
 
@@ -275,15 +326,21 @@ def config_from_gguf(gf):
 __all__ = [
     "KINDS",
     "Architecture",
+    "LMArchitecture",
+    "LanguageModel",
     "LoraTarget",
     "ParamInfo",
+    "Traits",
     "ENTRY_POINT_GROUP",
     "UnsupportedModelError",
     "config_from_gguf",
     "config_from_metadata",
     "families",
     "get",
+    "get_language_model",
     "language_model",
+    "language_model_of",
+    "language_models",
     "lora_target_names",
     "of",
     "plugins",

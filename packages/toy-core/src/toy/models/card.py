@@ -9,18 +9,27 @@ types, parameter count, tokenizer. It never touches tensor data.
 Hutter, "Formal Algorithms for Transformers" (2022): numbered lines with the
 model's real shapes. Row convention: activations are ``X ∈ ℝ^{T×d}`` and a
 linear map is ``X·W`` with ``W ∈ ℝ^{d_in×d_out}`` (GGUF stores ``W`` with
-ggml ``ne = [d_in, d_out]``, i.e. NumPy shape ``(d_out, d_in)``). Known
-families: llama, qwen2, qwen3 (RoPE, RMSNorm, SwiGLU) and gpt2 (learned
-positions, LayerNorm, GELU); anything else gets the generic fields only.
+ggml ``ne = [d_in, d_out]``, i.e. NumPy shape ``(d_out, d_in)``).
 
-An architecture another distribution adds (``toy.models``' entry-point group
-``toy.architectures``, e.g. toy-vit's ``vit``) is asked for the rest, and
-only for a name that is not built in: its ``ARCH.summary(metadata,
-tensors)`` fills ``ModelSummary.extra`` (JSON-able facts), its
-``describe_rows(extra)`` gives ``extra_rows``' ``(label, text)`` lines and
-its ``card(summary)`` the algorithm card. A plugin with ``language_model =
-False`` gets ``language_model = False`` in its summary and no LM-only fields
-(vocabulary, head tying), so ``toy describe`` leaves those rows out.
+This module keeps no table of families: it asks the registry
+(``toy.models.get``) for the file's ``ARCH``, built in or added by another
+distribution (entry-point group ``toy.architectures``, e.g. toy-vit's
+``vit``), and reads its members (``toy.models.protocol``):
+
+- ``traits[name]`` (a ``Traits``): what the name fixes that the file does
+  not say: the norm and positions of a file without their keys, the RoPE
+  pairing, olmoe's QK-norm span and expert width, qwen3moe's renormalised
+  expert weights;
+- ``summary(metadata, tensors)``: fills ``ModelSummary.extra`` (JSON-able
+  facts); ``describe_rows(extra)``: ``extra_rows``' ``(label, text)`` lines;
+- ``card(summary)``: the algorithm card. The llama and gpt2 families use
+  ``decoder_card`` (RoPE or learned positions, RMSNorm or LayerNorm, SwiGLU,
+  GELU or routed experts), Gemma and toy-vit write their own; a name
+  without one (or unknown) gets the generic fields only.
+
+An architecture with ``language_model = False`` gets ``language_model =
+False`` in its summary and no LM-only fields (vocabulary, head tying), so
+``toy describe`` leaves those rows out.
 """
 
 from __future__ import annotations
@@ -29,10 +38,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-ROPE_FAMILIES = {"llama", "qwen2", "qwen3", "olmoe", "qwen2moe", "qwen3moe"}
-KNOWN = ROPE_FAMILIES | {"gpt2"}
-# llama.cpp's rope type per architecture: NORM rotates pairs (2i, 2i+1), NEOX pairs (i, i + n/2)
-_NEOX = {"qwen2", "qwen3", "gpt2", "olmoe", "qwen2moe", "qwen3moe"}
+from toy import models
+from toy.models.protocol import Architecture, Traits
 
 
 @dataclass
@@ -108,17 +115,22 @@ def _float(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
-def _plugin(arch: str | None) -> Any:
-    """The ``ARCH`` of a non-built-in architecture an installed distribution
-    adds, or None (unknown, or not loadable)."""
-    if not arch or arch in KNOWN:
+def _arch(name: str | None) -> Architecture | None:
+    """The registry's ``ARCH`` for a ``general.architecture`` value, or None
+    (none, unknown, refused, or a plugin that does not load)."""
+    if not name:
         return None
-    from toy import models
-
     try:
-        return models.get(arch)
+        return models.get(name)
     except models.UnsupportedModelError:
         return None
+
+
+def _traits(arch: Architecture | None, name: str | None) -> Traits:
+    """What ``name`` fixes that its file does not say (``ARCH.traits``;
+    nothing for an unknown name)."""
+    traits: Mapping[str, Traits] = getattr(arch, "traits", None) or {}
+    return traits.get(name or "", Traits())
 
 
 def summary_from(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> ModelSummary:
@@ -129,6 +141,8 @@ def summary_from(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> Mod
     def get(suffix: str) -> Any:
         return metadata.get(f"{arch}.{suffix}") if arch else None
 
+    registered = _arch(arch)  # its ARCH in the registry, or None
+    traits = _traits(registered, arch)
     s = ModelSummary(architecture=arch)
     name = metadata.get("general.name")
     s.name = name if isinstance(name, str) else None
@@ -156,21 +170,19 @@ def summary_from(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> Mod
     if s.vocab is None and "token_embd.weight" in tensors:
         s.vocab = int(tensors["token_embd.weight"].shape[0])
 
-    # norms: the key present decides; the family decides when neither is
+    # norms: the key present decides; the architecture's traits when neither is
     rms, ln = _float(get("attention.layer_norm_rms_epsilon")), _float(get("attention.layer_norm_epsilon"))
     if rms is not None:
         s.norm, s.norm_eps = "rms", rms
     elif ln is not None:
         s.norm, s.norm_eps = "layer", ln
-    elif arch in ROPE_FAMILIES:
-        s.norm = "rms"
-    elif arch == "gpt2":
-        s.norm = "layer"
+    else:
+        s.norm = traits.norm
 
     has = tensors.__contains__
     if has("position_embd.weight"):
         s.positions = "learned"
-    elif arch in ROPE_FAMILIES or get("rope.freq_base") is not None or get("rope.dimension_count") is not None:
+    elif traits.rope or get("rope.freq_base") is not None or get("rope.dimension_count") is not None:
         s.positions = "rope"
     if s.positions == "rope":
         s.rope_base = _float(get("rope.freq_base")) or 10000.0  # llama.cpp's default
@@ -191,7 +203,7 @@ def summary_from(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> Mod
     if s.n_expert:
         s.mlp = "moe"  # routed SwiGLU experts
         s.n_expert_used = _int(get("expert_used_count")) or 0
-        if arch == "olmoe":
+        if traits.expert_width_is_ff:
             s.d_ff_expert = s.d_ff
         else:
             s.d_ff_expert = _int(get("expert_feed_forward_length")) or (
@@ -199,7 +211,7 @@ def summary_from(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> Mod
             )
         if has("blk.0.ffn_up_shexp.weight"):
             s.d_ff_shared = _int(get("expert_shared_feed_forward_length")) or s.d_ff
-        s.expert_weights_norm = arch == "qwen3moe"  # llama.cpp's graphs: fixed per architecture
+        s.expert_weights_norm = traits.expert_weights_norm  # llama.cpp's graphs: fixed per architecture
         for n, t in tensors.items():
             if n.endswith("_exps.weight"):
                 s.expert_types[t.dtype.name] = s.expert_types.get(t.dtype.name, 0) + 1
@@ -212,13 +224,13 @@ def summary_from(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> Mod
 
     s.n_tensors = len(tensors)
     for t in tensors.values():
-        n = 1
+        size = 1
         for d in t.shape:
-            n *= int(d)
-        s.n_params += n
+            size *= int(d)
+        s.n_params += size
         tname = t.dtype.name
         s.weight_types[tname] = s.weight_types.get(tname, 0) + 1
-        s.weight_params[tname] = s.weight_params.get(tname, 0) + n
+        s.weight_params[tname] = s.weight_params.get(tname, 0) + size
     s.weight_types = dict(sorted(s.weight_types.items(), key=lambda kv: -s.weight_params[kv[0]]))
     s.weight_params = {k: s.weight_params[k] for k in s.weight_types}
     ft = metadata.get("general.file_type")
@@ -228,21 +240,21 @@ def summary_from(metadata: Mapping[str, Any], tensors: Mapping[str, Any]) -> Mod
     s.tokenizer_model = tm if isinstance(tm, str) else None
     s.tokenizer_pre = tp if isinstance(tp, str) else None
     s.chat_template = any(k == "tokenizer.chat_template" or k.startswith("tokenizer.chat_template.") for k in metadata)
-    plugin = _plugin(arch)
-    if plugin is not None:
-        if not getattr(plugin, "language_model", True):
+    if registered is not None:
+        if not getattr(registered, "language_model", True):
             s.language_model, s.tied_output, s.vocab = False, None, None
-        if getattr(plugin, "summary", None) is not None:
-            s.extra = dict(plugin.summary(metadata, tensors))
+        own = getattr(registered, "summary", None)
+        if own is not None:
+            s.extra = dict(own(metadata, tensors))
             s.mlp = s.extra.pop("mlp", s.mlp)  # a family may name its feed-forward (Gemma: "geglu")
     return s
 
 
 def extra_rows(s: ModelSummary) -> list[tuple[str, str]]:
-    """``(label, text)`` rows of a plugin architecture's ``extra`` facts for
-    ``toy describe`` (none for built-ins)."""
-    plugin = _plugin(s.architecture) if s.extra else None
-    rows = getattr(plugin, "describe_rows", None)
+    """``(label, text)`` rows of an architecture's ``extra`` facts for
+    ``toy describe`` (its ``describe_rows``; none without a ``summary``)."""
+    registered = _arch(s.architecture) if s.extra else None
+    rows = getattr(registered, "describe_rows", None)
     if rows is None:
         return [(k, str(v)) for k, v in s.extra.items()]
     return list(rows(s.extra))
@@ -289,8 +301,8 @@ class _Lines:
         return out
 
 
-def _rope_text(s: ModelSummary) -> str:
-    style = "NeoX pairs (i, i+n/2)" if s.architecture in _NEOX else "pairs (2i, 2i+1)"
+def _rope_text(s: ModelSummary, traits: Traits) -> str:
+    style = "NeoX pairs (i, i+n/2)" if traits.rope_pairs == "neox" else "pairs (2i, 2i+1)"
     dims = f"{_d(s.rope_dims)} of {_d(s.head_dim)} dims" if s.rope_dims != s.head_dim else f"all {_d(s.head_dim)} dims"
     text = f"θ_i = {_num(s.rope_base)}^(−2i/{_d(s.rope_dims)}), {dims}, {style}"
     if s.rope_scaling:
@@ -310,16 +322,24 @@ def _norm(s: ModelSummary, gamma: str, beta: str) -> str:
 
 
 def algorithm_card(s: ModelSummary) -> str:
-    """The forward pass of the model as numbered pseudocode with real shapes."""
+    """The forward pass of the model as numbered pseudocode with real shapes:
+    its architecture's ``card`` (see the module docstring)."""
+    write = getattr(_arch(s.architecture), "card", None)
+    if write is not None:
+        return str(write(s))
+    with_cards = sorted(n for n in models.registered() if getattr(models.get(n), "card", None) is not None)
+    return (
+        f"(no algorithm card: toy writes cards for {', '.join(with_cards)}, and this model is "
+        f"{s.architecture or '?'!r}; the fields above are read from its metadata)"
+    )
+
+
+def decoder_card(s: ModelSummary) -> str:
+    """The algorithm card of a decoder-only transformer in the llama or gpt2
+    style, from the summary and the architecture's ``traits`` (the RoPE
+    pairing, olmoe's QK-norm span): the ``card`` of those families."""
     arch = s.architecture or "?"
-    plugin = _plugin(s.architecture)
-    if plugin is not None and getattr(plugin, "card", None) is not None:
-        return plugin.card(s)
-    if arch not in KNOWN:
-        return (
-            f"(no algorithm card: toy writes cards for {', '.join(sorted(KNOWN))}, and this model is {arch!r}; "
-            "the fields above are read from its metadata)"
-        )
+    traits = _traits(_arch(s.architecture), s.architecture)
     if s.n_layer is None or s.d_model is None or s.n_head is None:
         return f"(no algorithm card: the {arch} metadata lacks block_count, embedding_length or attention.head_count)"
     L, d, H, Hkv, dh, dff, V = s.n_layer, s.d_model, s.n_head, s.n_head_kv or s.n_head, s.head_dim, s.d_ff, s.vocab
@@ -364,12 +384,12 @@ def algorithm_card(s: ModelSummary) -> str:
         eps = f", ε = {_num(s.norm_eps)}" if s.norm_eps is not None else ""
         where = (
             "over the whole projection, before the head split (QK-norm)"
-            if s.architecture == "olmoe"
+            if traits.qk_norm_full
             else (f"per head, over d_h = {dh} (QK-norm)")
         )
         lines.add("  Q ← RMSNorm(Q | γ_q[l]);  K ← RMSNorm(K | γ_k[l])" + eps, where)
     if s.positions == "rope":
-        lines.add("  Q, K ← RoPE(Q, K; positions 0, …, T−1)", _rope_text(s))
+        lines.add("  Q, K ← RoPE(Q, K; positions 0, …, T−1)", _rope_text(s, traits))
     if Hkv != H and H % Hkv == 0:
         grp = H // Hkv
         attn = f"  for h = 1, …, {H}: g ← ⌈h/{grp}⌉;  A_h ← softmax(Q_h·K_gᵀ / √{dh} + M)·V_g"
@@ -430,4 +450,4 @@ def algorithm_card(s: ModelSummary) -> str:
 #: the numbered-lines builder of the cards, for plugin architectures' own cards
 Lines = _Lines
 
-__all__ = ["KNOWN", "Lines", "ModelSummary", "algorithm_card", "extra_rows", "summarize", "summary_from"]
+__all__ = ["Lines", "ModelSummary", "algorithm_card", "decoder_card", "extra_rows", "summarize", "summary_from"]

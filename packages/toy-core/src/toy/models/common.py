@@ -26,15 +26,23 @@ Shapes are NumPy order. Invariants:
 It also holds what the llama-family architectures' checkpoint metadata and
 from-scratch configs share (``shape_metadata``, ``uint32_counts``,
 ``train_shape_fields``).
+
+numpy is imported inside the mask builders, not here: the family modules
+import this one, and they must load without numpy (``toy train --help``
+lists their families, presets and LoRA targets within its start-up budget).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+from toy import models
+from toy.errors import ConfigError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def padded_length(n_tokens: int, pad: int) -> int:
@@ -45,6 +53,8 @@ def padded_length(n_tokens: int, pad: int) -> int:
 def position_mask(q_pos: np.ndarray, n_kv: int, window: int = 0) -> np.ndarray:
     """F32 (len(q_pos), n_kv): 0 where cell <= the query's position (and,
     with a ``window`` W > 0, cell > position - W), -inf elsewhere."""
+    import numpy as np  # lazy: the family modules import this module (see the module docstring)
+
     q_pos = np.asarray(q_pos)
     cells = np.arange(n_kv)[None, :]
     allowed = cells <= q_pos[:, None]
@@ -60,6 +70,8 @@ def causal_mask(n_tokens: int, n_kv: int | None = None, window: int = 0) -> np.n
     n_kv = n_tokens if n_kv is None else n_kv
     if n_kv < n_tokens:
         raise ValueError(f"causal_mask: n_kv={n_kv} < n_tokens={n_tokens}")
+    import numpy as np  # lazy: see the module docstring
+
     return position_mask(np.arange(n_tokens), n_kv, window)
 
 
@@ -68,6 +80,8 @@ def block_causal_mask(doc: np.ndarray, block_causal: bool = True, window: int = 
     query t may attend key s (s <= t, the same document when
     ``block_causal``, and t - s < ``window`` when W > 0: within a document
     the row distance is the position distance), -inf elsewhere."""
+    import numpy as np  # lazy: see the module docstring
+
     doc = np.asarray(doc)
     t = doc.shape[1]
     allowed = np.tril(np.ones((t, t), dtype=bool))
@@ -121,9 +135,7 @@ def forward_logits(ctx, cfg, weights, tokens, pos, mask, n_tokens: int, kv_type=
     multiple of 32 without flash attention), so its F16 matmuls take the
     same kernels and sums. ``kv_type`` (e.g. F16) rounds K and V to that
     type before attention, as a llama.cpp KV cache of that type does."""
-    from toy import models
-
-    arch = models.of(cfg)
+    arch = models.language_model_of(cfg)
     T = n_tokens
     mask_of = layer_masks(arch, cfg, mask)
     n_kv = mask_of(0).shape[-1]
@@ -163,9 +175,7 @@ def forward_batch(ctx, cfg, weights, tokens, pos, mask, batch: int, keep=None, l
     without one they are toy GEMM products like the forward (the copies cost
     a K- and V-sized pass per layer). The scores are viewed as (B, H, T, T)
     for one soft_max with the mask, then one mul_mat with V."""
-    from toy import models
-
-    arch = models.of(cfg)
+    arch = models.language_model_of(cfg)
     N = tokens.shape[0]
     if N % batch:
         raise ValueError(f"forward_batch: {N} tokens do not split into {batch} rows")
@@ -288,6 +298,7 @@ def shape_metadata(a: str, cfg, default_context: int) -> dict[str, Any]:
 def uint32_counts(metadata: Mapping[str, Any]) -> dict[str, Any]:
     """``metadata`` with every integer value (not a bool) as ``(value,
     TypeInfo(UINT32))``: llama.cpp refuses a file whose counts are INT32."""
+    # lazy: toy.gguf loads ggml (~0.3 s); the registry (and so `toy train --help`) must not
     from toy.gguf.constants import ValueType
     from toy.gguf.reader import TypeInfo
 
@@ -300,9 +311,7 @@ def train_shape_fields(d: Mapping[str, Any], n_vocab: int) -> dict[str, Any]:
     ``resolve_shape``'s dimensions ``d``; an odd ``head_dim`` is a
     ``ConfigError`` (RoPE rotates pairs)."""
     if d["head_dim"] % 2:
-        from toy.train.config import ConfigError
-
-        raise ConfigError(f"model.head_dim={d['head_dim']} must be even (RoPE rotates pairs)")
+        raise ConfigError(f"model.head_dim={d['head_dim']} must be even (RoPE rotates pairs)", field="model.head_dim")
     return dict(
         n_vocab=n_vocab,
         d_model=d["d_model"],

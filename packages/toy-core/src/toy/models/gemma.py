@@ -50,7 +50,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from toy.models import Architecture, LoraTarget, ParamInfo, UnsupportedModelError
+from toy.models import LMArchitecture, LoraTarget, ParamInfo, UnsupportedModelError
+from toy.models.card import Lines
 from toy.models.common import (
     final_softcapped,
     gelu_tanh,
@@ -108,7 +109,7 @@ class GemmaConfig:
     @property
     def attn_scale(self) -> float:
         """In float32 arithmetic, as llama.cpp computes it (``1.0f / std::sqrt(float(n))``)."""
-        import numpy as np
+        import numpy as np  # lazy: the registry (and `toy train --help`) loads this module without numpy
 
         n = self.d_model // self.n_head if self.n_layer == _BIG.get(self.architecture) else self.head_dim
         return float(np.float32(1.0) / np.sqrt(np.float32(n)))
@@ -460,8 +461,6 @@ def _describe_rows(extra: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 def _card(s) -> str:
     """The algorithm card of a Gemma model (``toy.models.card``'s style)."""
-    from toy.models.card import Lines
-
     e = s.extra
     if not e:
         return f"(no algorithm card: toy cannot run this {s.architecture} file; `toy infer` says why)"
@@ -508,7 +507,9 @@ def _card(s) -> str:
     return "\n".join(head + lines.render() + [defs])
 
 
-ARCH = Architecture(
+# no ``traits``: the generic summary reads Gemma's norm and RoPE from the file's keys as for any model, and
+# its own summary, rows and card (above) say the rest
+ARCH = LMArchitecture(
     family="gemma",
     names=SUPPORTED_ARCHITECTURES,
     presets=PRESETS,

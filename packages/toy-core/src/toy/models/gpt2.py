@@ -23,7 +23,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from toy.models import Architecture, LoraTarget, ParamInfo, UnsupportedModelError
+from toy.errors import ConfigError
+from toy.models import LMArchitecture, LoraTarget, ParamInfo, Traits, UnsupportedModelError
+from toy.models.card import decoder_card
 from toy.models.common import gelu_tanh, lora_linear, uint32_counts
 
 _LAYER_TENSORS = (
@@ -243,12 +245,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 def train_config(dims: Mapping[str, Any], n_vocab: int, context: int) -> GPT2Config:
     """The config a from-scratch run trains: as many learned positions as
     the training context, no grouped heads, head size d_model / n_head."""
-    from toy.train.config import ConfigError
-
     if dims["n_head_kv"] != dims["n_head"]:
-        raise ConfigError(f"model.n_head_kv={dims['n_head_kv']}: gpt2 has one K/V head per head (n_head)")
+        msg = f"model.n_head_kv={dims['n_head_kv']}: gpt2 has one K/V head per head (n_head)"
+        raise ConfigError(msg, field="model.n_head_kv")
     if dims["head_dim"] * dims["n_head"] != dims["d_model"]:
-        raise ConfigError(f"model.head_dim={dims['head_dim']}: gpt2's head size is d_model / n_head")
+        msg = f"model.head_dim={dims['head_dim']}: gpt2's head size is d_model / n_head"
+        raise ConfigError(msg, field="model.head_dim")
     return GPT2Config(
         n_vocab=n_vocab,
         d_model=dims["d_model"],
@@ -262,7 +264,7 @@ def train_config(dims: Mapping[str, Any], n_vocab: int, context: int) -> GPT2Con
     )
 
 
-ARCH = Architecture(
+ARCH = LMArchitecture(
     family="gpt2",
     names=("gpt2",),
     presets=PRESETS,
@@ -276,6 +278,10 @@ ARCH = Architecture(
     output_weight=output_weight,
     metadata=metadata,
     train_config=train_config,
+    card=decoder_card,
+    # LayerNorm when the file names no epsilon; learned positions come from position_embd.weight itself. The
+    # pairing is llama.cpp's rope type for gpt2 (NEOX), which only a file with rope keys would use.
+    traits={"gpt2": Traits(norm="layer", rope_pairs="neox")},
 )
 
 __all__ = ["ARCH", "PRESETS", "GPT2Config", "forward", "lora_targets", "metadata", "params", "train_config"]

@@ -26,20 +26,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from toy.models import Architecture, LoraTarget, ParamInfo, UnsupportedModelError, moe
-from toy.models.card import summary_from
+from toy.models import LMArchitecture, LoraTarget, ParamInfo, Traits, UnsupportedModelError, moe
+from toy.models.card import decoder_card, summary_from
 from toy.models.common import lora_linear, shape_metadata, train_shape_fields, uint32_counts
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "olmoe", "qwen2moe", "qwen3moe")
 MOE_ARCHITECTURES = ("olmoe", "qwen2moe", "qwen3moe")
 
-_ROPE_MODE = {
-    "llama": "normal",
-    "qwen2": "neox",
-    "qwen3": "neox",
-    "olmoe": "neox",
-    "qwen2moe": "neox",
-    "qwen3moe": "neox",
+# what each name fixes that its file does not say, as llama.cpp decides it: RMSNorm and RoPE always; the
+# RoPE pairing ("normal" for llama, whose converter permutes Q/K rows; "neox" for the others); olmoe's
+# QK-norm over the whole projection and expert width = feed_forward_length; qwen3moe's renormalised
+# expert weights. The config, moe.config_fields and the model card (toy.models.card) read it.
+_TRAITS = {
+    "llama": Traits(norm="rms", rope=True, rope_pairs="normal"),
+    "qwen2": Traits(norm="rms", rope=True, rope_pairs="neox"),
+    "qwen3": Traits(norm="rms", rope=True, rope_pairs="neox"),
+    "olmoe": Traits(norm="rms", rope=True, rope_pairs="neox", qk_norm_full=True, expert_width_is_ff=True),
+    "qwen2moe": Traits(norm="rms", rope=True, rope_pairs="neox"),
+    "qwen3moe": Traits(norm="rms", rope=True, rope_pairs="neox", expert_weights_norm=True),
 }
 _ATTN_TENSORS = (
     "attn_norm.weight",
@@ -125,10 +129,18 @@ class LlamaConfig:
         ]
         if missing_keys:
             raise UnsupportedModelError(f"{arch} metadata lacks {', '.join(f'{arch}.{k}' for k in missing_keys)}")
+        # summary_from derives the rest from those keys (head_count_kv defaults to head_count, key_length to
+        # embedding_length / head_count) and, every llama-family name having rotary positions (_TRAITS), the rope
+        assert s.n_layer is not None and s.d_model is not None and s.n_head is not None and s.d_ff is not None
+        assert s.n_head_kv is not None and s.head_dim is not None
+        if s.rope_base is None or s.rope_dims is None:  # summary_from leaves them unset for learned positions
+            raise UnsupportedModelError(
+                f"the {arch} model carries position_embd.weight (learned positions); llama-family models rotate"
+            )
         if s.per_layer:
             raise UnsupportedModelError(f"per-layer {', '.join(s.per_layer)} is not supported")
         rope = _rope_scaling(arch, metadata, s, "rope_freqs.weight" in tensors)
-        moe_fields = moe.config_fields(arch, metadata, tensors, s.d_ff)
+        moe_fields = moe.config_fields(arch, metadata, tensors, s.d_ff, _TRAITS[arch])
         if arch in MOE_ARCHITECTURES and not moe_fields:
             raise UnsupportedModelError(f"the {arch} metadata lacks {arch}.expert_count")
         if s.qkv_fused:
@@ -163,13 +175,13 @@ class LlamaConfig:
             rms_eps=s.norm_eps if s.norm_eps is not None else 1e-5,
             rope_base=s.rope_base,
             rope_dims=s.rope_dims,
-            rope_mode=_ROPE_MODE[arch],
+            rope_mode=_TRAITS[arch].rope_pairs,
             tied_output=bool(s.tied_output),
             qkv_bias=s.qkv_bias,
             qk_norm=s.qk_norm,
             context_length=s.context_length,
             architecture=arch,
-            qk_norm_full=arch == "olmoe",
+            qk_norm_full=_TRAITS[arch].qk_norm_full,
             **rope,
             **moe_fields,
         )
@@ -311,7 +323,7 @@ def attention_scale(cfg: LlamaConfig, layer: int) -> float:
     (``1.0f/sqrtf(float(n_embd_head))``): for some head sizes (24, 72, 96,
     112) the double-precision value rounds to a float32 one ulp away from
     llama.cpp's, and the softmax of Q·K then differs in the last bits."""
-    import numpy as np
+    import numpy as np  # lazy: the registry (and `toy train --help`) loads this module without numpy
 
     return float(np.float32(1.0) / np.sqrt(np.float32(cfg.head_dim)))
 
@@ -407,7 +419,7 @@ def train_config(d: Mapping[str, Any], n_vocab: int, context: int) -> LlamaConfi
     )
 
 
-ARCH = Architecture(
+ARCH = LMArchitecture(
     family="llama",
     names=SUPPORTED_ARCHITECTURES,
     presets=PRESETS,
@@ -421,6 +433,8 @@ ARCH = Architecture(
     output_weight=output_weight,
     metadata=metadata,
     train_config=train_config,
+    card=decoder_card,
+    traits=_TRAITS,
 )
 
 __all__ = [

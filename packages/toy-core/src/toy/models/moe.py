@@ -35,16 +35,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from toy.models import ParamInfo, UnsupportedModelError
+from toy.models import ParamInfo, Traits, UnsupportedModelError
 
 NORM_FLOOR = 6.103515625e-5  # llama.cpp's clamp of the renormalising sum
 
 
-def config_fields(arch: str, metadata: Mapping[str, Any], tensors: Mapping[str, Any], d_ff: int) -> dict[str, Any]:
+def config_fields(
+    arch: str, metadata: Mapping[str, Any], tensors: Mapping[str, Any], d_ff: int, traits: Traits
+) -> dict[str, Any]:
     """The MoE fields of a config from GGUF metadata (empty for a dense
     model): ``n_expert``, ``n_expert_used``, ``d_ff_expert``,
     ``d_ff_shared`` (0: no shared expert) and ``expert_weights_norm``, as
-    llama.cpp resolves them for ``arch``."""
+    llama.cpp resolves them for ``arch``, whose ``traits`` (the family's
+    ``ARCH.traits[arch]``) say what the name fixes: the expert width and
+    the renormalised weights."""
 
     def num(key: str):
         v = metadata.get(f"{arch}.{key}")
@@ -63,7 +67,7 @@ def config_fields(arch: str, metadata: Mapping[str, Any], tensors: Mapping[str, 
     gating = num("expert_gating_func")
     if gating not in (None, 1):  # llama.cpp: 1 = softmax
         raise UnsupportedModelError(f"{arch}.expert_gating_func={gating}: only softmax gating is supported")
-    if arch == "olmoe":  # the expert width is feed_forward_length
+    if traits.expert_width_is_ff:  # olmoe: the expert width is feed_forward_length
         d_ff_expert = d_ff
     else:
         d_ff_expert = int(num("expert_feed_forward_length") or 0) or d_ff // used
@@ -75,7 +79,7 @@ def config_fields(arch: str, metadata: Mapping[str, Any], tensors: Mapping[str, 
         "n_expert_used": used,
         "d_ff_expert": d_ff_expert,
         "d_ff_shared": shared,
-        "expert_weights_norm": arch == "qwen3moe",
+        "expert_weights_norm": traits.expert_weights_norm,
     }
 
 
