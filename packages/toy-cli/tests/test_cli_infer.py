@@ -25,8 +25,9 @@ import threading
 from pathlib import Path
 
 import pytest
-import toy_test_models as mp  # registered by the root conftest.py
-from cli_helpers import FakeStdin, assert_clean_error, run
+
+from toy_testsupport import toy_test_models as mp
+from toy_testsupport.cli_helpers import FakeStdin, assert_clean_error, run
 
 FIXTURE = Path(__file__).resolve().parents[2] / "toy-core/tests/fixtures/smollm2_generation_llamacpp.json"
 # The default system message of SmolLM2's chat template (the fixture's chat prompts use it).
@@ -451,7 +452,7 @@ def test_model_that_cannot_be_run(capsys, tmp_path):
     codes.append(code)
     assert codes == [2, 2], (
         f"exit codes {codes}: a model file toy cannot run is bad input (like 'not a GGUF file', exit 2), "
-        "but these plain ToyErrors have no exit_code and _errors() maps them to 1"
+        "but these are plain ToyErrors, whose exit_code is 1 (toy_cli.ui.cli_errors reads it)"
     )
 
 
@@ -484,7 +485,7 @@ def test_bad_runtime_options_are_clean_errors(capsys, smollm2_path):
     wrong = {k: v for k, v in codes.items() if v != 2}
     assert not wrong, (
         f"exit 1 for bad input {wrong}: toy.load / KVCache / LLMEngine / Model.prompt_ids raise plain ToyError "
-        "(no exit_code) and toy_cli.commands.models._errors maps those to 1"
+        "(exit_code 1) where a BadInputError (exit_code 2) is due (toy_cli.ui.cli_errors reads it)"
     )
 
 

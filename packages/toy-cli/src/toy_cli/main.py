@@ -1,9 +1,10 @@
 """The ``toy`` command.
 
-Conventions (DESIGN.md section 6): data on stdout (``--json`` for structured
-output), logs and progress on stderr; bad input exits 2, failures exit 1,
-each with an ``error:`` line and an optional ``hint:`` line on stderr and no
-traceback unless ``--verbose``. Heavy imports happen inside commands, and
+Conventions (docs/concepts/architecture.md): data on stdout (``--json`` for
+structured output), logs and progress on stderr; bad input exits 2, failures
+exit 1, each with an ``error:`` line and an optional ``hint:`` line on stderr
+and no traceback unless ``--verbose`` (``toy_cli.ui``, the toolkit every
+command shares, plugins included). Heavy imports happen inside commands, and
 each command module is imported only when its command runs (``toy_cli.lazy``),
 so ``toy --help`` and ``toy describe`` stay fast.
 
@@ -17,11 +18,15 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import typer
 
 from toy_cli import __version__
 from toy_cli.lazy import Lazy, LazyGroup
+from toy_cli.ui import AsJson, CLIError, bad_input, handle_error, set_verbose
+
+__all__ = ["COMMANDS", "OPTIONAL", "CLIError", "app", "main"]  # CLIError: toy_cli.ui's, under its old address
 
 # built-in subcommands: the module whose register(app) adds each (imported
 # when the command runs), the first paragraph of its help (what `toy --help`
@@ -102,17 +107,6 @@ app = typer.Typer(
 # subcommand -> distribution that provides it
 OPTIONAL = {"serve": "toy-serve", "vit": "toy-vit"}
 
-_state = {"verbose": False}
-
-
-class CLIError(Exception):
-    """An error the CLI reports as error:/hint: with an exit code."""
-
-    def __init__(self, message: str, hint: str | None = None, code: int = 1):
-        super().__init__(message)
-        self.hint = hint
-        self.code = code
-
 
 def _version(value: bool) -> None:
     if value:
@@ -129,7 +123,7 @@ def _root(
     ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show tracebacks and debug logs."),
 ) -> None:
-    _state["verbose"] = verbose
+    set_verbose(verbose)
     if verbose:
         import logging
 
@@ -137,12 +131,12 @@ def _root(
 
 
 @app.command()
-def devices(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+def devices(as_json: AsJson = False) -> None:
     """List the ggml devices and what this build contains."""
     import toy_ggml
 
     devs = toy_ggml.devices()
-    build = {
+    build: dict[str, Any] = {
         "backend": toy_ggml.build_config.BACKEND,
         "native": toy_ggml.build_config.NATIVE,
         "ggml_version": toy_ggml.GGML_VERSION,
@@ -170,7 +164,7 @@ def devices(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -
 
 def _missing(name: str, dist: str):
     def cmd() -> None:
-        raise CLIError(f"'toy {name}' is not installed", hint=f"pip install {dist}", code=2)
+        raise bad_input(f"'toy {name}' is not installed", f"pip install {dist}")
 
     cmd.__doc__ = f"(not installed: pip install {dist})"
     return cmd
@@ -207,43 +201,14 @@ def main(argv: list[str] | None = None) -> int:
         rv = app(args=argv, standalone_mode=False)
         if isinstance(rv, int):  # click returns typer.Exit's code instead of raising it here
             return rv
-    except CLIError as e:
-        _report(e, str(e), e.hint, e.code)
-        return e.code
     except SystemExit as e:  # typer.Exit inside standalone_mode=False
         return int(e.code or 0)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # noqa: BLE001 - the last line of defence
-        # typer carries its own copy of click, so click's exceptions are
-        # recognized by shape: usage errors have format_message and exit_code 2.
-        if hasattr(e, "format_message") and hasattr(e, "exit_code"):
-            code = int(e.exit_code) if e.exit_code else 1
-            if not e.format_message():  # a group's no_args_is_help: its help is already on the screen
-                return code
-            _report(e, e.format_message(), "see --help" if code == 2 else None, code)
-            return code
-        if type(e).__name__ == "Exit" and hasattr(e, "exit_code"):
-            return int(e.exit_code)
-        if type(e).__name__ == "Abort":
-            print("error: aborted", file=sys.stderr)
-            return 1
-        hint = getattr(e, "hint", None)
-        code = 2 if isinstance(e, (ValueError, TypeError, FileNotFoundError)) else 1
-        _report(e, str(e) or type(e).__name__, hint, code)
-        return code
+    except Exception as e:  # noqa: BLE001 - the last line of defence: error:/hint: lines and the exit code
+        return handle_error(e)
     return 0
-
-
-def _report(exc: BaseException, message: str, hint: str | None, code: int) -> None:
-    if _state["verbose"]:
-        import traceback
-
-        traceback.print_exception(exc)
-    print(f"error: {message}", file=sys.stderr)
-    if hint:
-        print(f"hint: {hint}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 Registered in the ``toy.commands`` entry-point group (toy-cli turns the
 function into ``app.command("serve")``). This module imports only typer and
-the settings at import time: FastAPI, uvicorn and the engine are imported
-inside the command, so ``toy --help`` stays fast.
+``toy_cli.ui`` (the options, errors and model fetch every ``toy`` command
+shares) at import time: FastAPI, uvicorn and the engine are imported inside
+the command, so ``toy --help`` stays fast.
 
 Behaviour:
 
@@ -50,28 +51,36 @@ from typing import Annotated
 
 import typer
 
+from toy_cli.ui import (
+    DEFAULT_MODEL,
+    CLIError,
+    Ctx,
+    Device,
+    RunsDir,
+    Threads,
+    as_cli_error,
+    bad_input,
+    cli_errors,
+    fetch_if_missing,
+    parse_lora_options,
+)
+
 # kept equal to toy_serve.settings (importing it here would import toy for every `toy` command)
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 
 
-def _cli_error(message: str, hint: str | None = None, code: int = 2) -> Exception:
-    from toy_cli.main import CLIError
-
-    return CLIError(message, hint=hint, code=code)
-
-
 def _read_key(api_key: str | None, api_key_file: Path | None) -> str | None:
     if api_key is not None and api_key_file is not None:
-        raise _cli_error("--api-key and --api-key-file are given together", "use one of them")
+        raise bad_input("--api-key and --api-key-file are given together", "use one of them")
     if api_key_file is None:
         return api_key
     try:
         key = api_key_file.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as e:
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise _cli_error(f"{api_key_file}: {why}", "--api-key-file names a UTF-8 text file holding the key") from e
+        raise bad_input(f"{api_key_file}: {why}", "--api-key-file names a UTF-8 text file holding the key") from e
     if not key:
-        raise _cli_error(f"{api_key_file} is empty", "--api-key-file names a file holding the key")
+        raise bad_input(f"{api_key_file} is empty", "--api-key-file names a file holding the key")
     return key
 
 
@@ -94,7 +103,7 @@ class _Quiet:
 
 
 def serve(
-    model: Annotated[str, typer.Argument(help="A GGUF path or a model name (e.g. smollm2-135m).")],
+    model: Annotated[str, typer.Argument(help=f"A GGUF path or a model name (e.g. {DEFAULT_MODEL}).")],
     host: Annotated[str, typer.Option("--host", help="Address to bind (0.0.0.0 exposes the server).")] = DEFAULT_HOST,
     port: Annotated[int, typer.Option("--port", help="Port to bind (0 = any free port).")] = DEFAULT_PORT,
     api_key: Annotated[
@@ -103,9 +112,7 @@ def serve(
     api_key_file: Annotated[
         Path | None, typer.Option("--api-key-file", help="Read the API key from a file (keeps it out of ps).")
     ] = None,
-    ctx: Annotated[
-        int | None, typer.Option("--ctx", help="Context tokens per sequence (default: the model's, at most 4096).")
-    ] = None,
+    ctx: Ctx = None,
     parallel: Annotated[int, typer.Option("--parallel", help="Sequences decoded together (cache slots).")] = 4,
     max_queue: Annotated[
         int,
@@ -125,12 +132,8 @@ def serve(
     max_batch: Annotated[
         int, typer.Option("--max-batch", help="Most jobs (prompts x n, embedding inputs) one request may create.")
     ] = 64,
-    device: Annotated[
-        str | None, typer.Option("--device", help="cpu, cuda0, ... (default: TOY_DEVICE, else auto).")
-    ] = None,
-    threads: Annotated[
-        int | None, typer.Option("--threads", "-t", help="CPU threads (default: physical cores).")
-    ] = None,
+    device: Device = None,
+    threads: Threads = None,
     kv_type: Annotated[
         str,
         typer.Option(
@@ -156,9 +159,7 @@ def serve(
             "(model '<alias>:NAME' or the lora field).",
         ),
     ] = None,
-    runs_dir: Annotated[
-        str | None, typer.Option("--runs-dir", help="Where the run bundle goes (default: $TOY_RUNS_DIR or ./runs).")
-    ] = None,
+    runs_dir: RunsDir = None,
     alias: Annotated[
         str | None, typer.Option("--alias", help="Model id in /v1/models (default: the file stem).")
     ] = None,
@@ -183,18 +184,16 @@ def serve(
     ] = "info",
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (completions, chat, embeddings, metrics)."""
-    from toy_cli.commands.infer import _fetch_if_missing, parse_lora_options
-    from toy_cli.commands.models import _errors
     from toy_serve.settings import Settings
 
     if log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
-        raise _cli_error(f"--log-level {log_level!r} is not a level", "debug, info, warning or error")
+        raise bad_input(f"--log-level {log_level!r} is not a level", "debug, info, warning or error")
     from toy_serve.settings import named_spec
 
     key = _read_key(api_key, api_key_file)
     named = [spec for spec in lora or [] if named_spec(spec)]
     adapters = parse_lora_options([spec for spec in lora or [] if not named_spec(spec)])
-    with _errors():
+    with cli_errors():
         settings = Settings(
             model=model,
             host=host,
@@ -214,15 +213,15 @@ def serve(
             header_timeout=header_timeout,
             body_timeout=body_timeout,
             max_connections=max_connections,
-            runs_dir=runs_dir,
+            runs_dir=None if runs_dir is None else str(runs_dir),
             model_alias=alias,
             lora=tuple(adapters),
-            adapters=tuple(named),
+            adapters=tuple(named),  # type: ignore[arg-type]  # "NAME=PATH[:SCALE]" strings: Settings parses them
         )
         from toy import store
 
         _check_runs_dir(settings.runs_dir)
-        _fetch_if_missing(model)
+        fetch_if_missing(model)
         path = store.resolve_model(model)  # a missing file or unknown name fails now, before the port is bound
         _check_model(path, settings.ctx, list(adapters) + [(p, sc) for _, p, sc in settings.adapters])
         from toy_serve.conn import bind
@@ -287,19 +286,11 @@ def _run(settings, sock, level: str) -> None:
 
 def _load_error(e: BaseException) -> Exception:
     """The CLI error for a model that failed to load: exit 2 for bad input (a malformed GGUF, a value out
-    of range), 1 for other failures, classified as ``toy infer`` does (``toy_cli``'s ``_errors``)."""
-    from toy_cli.commands.models import _errors
-    from toy_cli.main import CLIError
-
-    code, hint = 1, getattr(e, "hint", None)
-    try:
-        with _errors():
-            raise e
-    except CLIError as ce:
-        code, hint = ce.code, ce.hint
-    except BaseException:  # noqa: BLE001 - not a toy error: a failure (exit 1)
-        pass
-    return _cli_error(f"could not load the model: {e}", hint, code)
+    of range), 1 for other failures, classified as ``toy infer`` does (``toy_cli.ui.as_cli_error``)."""
+    err = as_cli_error(e)
+    if err is None:  # not a toy error: a failure
+        return CLIError(f"could not load the model: {e}", getattr(e, "hint", None))
+    return CLIError(f"could not load the model: {e}", err.hint, err.code)
 
 
 def _check_runs_dir(runs_dir: str | None) -> None:
@@ -324,7 +315,8 @@ def _check_model(path, ctx: int | None, adapters) -> None:
     template: a file toy cannot run exits 2, as in ``toy infer``), ``--ctx`` against the model's context
     and each adapter against the model, before the port is bound. Costs ~0.6 s for SmolLM2's tokenizer."""
     from toy import models
-    from toy.engine.generate import DEFAULT_MAX_CTX, check_lora
+    from toy.adapters import check_lora
+    from toy.engine.generate import DEFAULT_MAX_CTX
     from toy.errors import BadInputError
     from toy.gguf import GGUFFile
     from toy.tokenizer import ChatTemplate, Tokenizer
@@ -339,7 +331,7 @@ def _check_model(path, ctx: int | None, adapters) -> None:
                 f"--ctx {ctx} is more than the model's context length {limit}", hint=f"use --ctx {limit} or less"
             )
         if adapters:
-            from toy.train.adapter import load_adapter
+            from toy.adapters import load_adapter
 
             for p, _ in adapters:
                 check_lora(load_adapter(p), gf)

@@ -8,7 +8,7 @@ group (``vit = "toy_vit.cli:app"``). Subcommands:
   folder to a toy-vit GGUF;
 - ``train DATA`` (or ``train --resume RUN``): train or fine-tune
   (``--from MODEL.gguf``) a classifier; progress, stop signals, errors and
-  the summary are ``toy train``'s (``toy_cli.commands.train.run_training``);
+  the summary are ``toy train``'s (``toy_cli.ui.run_training``);
 - ``eval MODEL DATA``: accuracy, top-5, NLL, per-class table and confusion
   matrix (``toy_vit.evaluate``), recorded as an eval run bundle;
 - ``classify MODEL IMAGE...``: the top classes of each image.
@@ -20,8 +20,10 @@ Conventions (toy's): data on stdout (``--json`` for structured output),
 progress and notes on stderr; bad input (a missing or corrupt file named in
 the message, an image folder with an empty class or a single class, a model
 whose classes or size do not fit, a GGUF that is not a ViT) is ``error: ...``
-with exit 2 before anything is written; failures exit 1. This module imports
-only typer at import time: ``toy --help`` loads it to list the group.
+with exit 2 before anything is written; failures exit 1 (``toy_cli.ui``,
+whose options, errors, progress and training run every ``toy`` command
+shares). This module imports only typer and ``toy_cli.ui`` at import time:
+``toy --help`` loads it to list the group.
 """
 
 from __future__ import annotations
@@ -30,9 +32,27 @@ import json
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+
+from toy_cli.ui import (
+    RUN_PANEL,
+    AsJson,
+    Device,
+    JsonSummary,
+    Progress,
+    Quiet,
+    RunsDir,
+    RunsOut,
+    Seed,
+    Threads,
+    TrainDevice,
+    TrainThreads,
+    bad_input,
+    cli_errors,
+    run_training,
+)
 
 app = typer.Typer(
     name="vit",
@@ -40,14 +60,12 @@ app = typer.Typer(
     no_args_is_help=True,
 )
 
-_M, _P, _O, _F = "Model", "Run", "Optimizer", "Fine-tuning"
+_M, _P, _O, _F = "Model", RUN_PANEL, "Optimizer", "Fine-tuning"
 
-Threads = Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (default: physical cores).")]
-Device = Annotated[str | None, typer.Option("--device", help="cpu, cuda0, ... (default: TOY_DEVICE, else auto).")]
-AsJson = Annotated[bool, typer.Option("--json", help="Print JSON.")]
-Batch = Annotated[int, typer.Option("--batch-size", "-b", help="Images per forward pass.")]
+# eval and classify (not toy_cli.ui's Batch: that counts tokens)
+ImageBatch = Annotated[int, typer.Option("--batch-size", "-b", help="Images per forward pass.")]
 
-# VitTrainConfig field -> the flag that sets it (for error messages)
+# ViTTrainConfig field -> the flag that sets it (for error messages)
 FLAGS = {
     "data": "DATA",
     "preset": "--preset",
@@ -77,35 +95,28 @@ FLAGS = {
 }
 
 
-def _cli_error(message: str, hint: str | None = None, code: int = 2) -> Exception:
-    from toy_cli.main import CLIError
-
-    return CLIError(message, hint=hint, code=code)
-
-
 @contextmanager
 def _errors():
     """toy's errors as ``error:``/``hint:`` with their exit codes; a training
     config error names the flag instead of the field."""
-    from toy_cli.commands.models import _errors as toy_errors
-    from toy_vit.trainconfig import VitTrainConfigError
+    from toy_vit.trainconfig import ViTTrainConfigError
 
-    with toy_errors():
+    with cli_errors():
         try:
             yield
-        except VitTrainConfigError as e:
+        except ViTTrainConfigError as e:
             msg = str(e)
             flag = FLAGS.get(e.field)
             if flag and msg.startswith(f"{e.field}:"):
                 msg = flag + msg[len(e.field) :]
-            raise _cli_error(msg, e.hint, 2) from e
+            raise bad_input(msg, e.hint) from e
 
 
 def _check_file(path: Path, what: str) -> None:
     if not path.exists():
-        raise _cli_error(f"{path}: no such file", f"check the path of the {what}")
+        raise bad_input(f"{path}: no such file", f"check the path of the {what}")
     if not path.is_file():
-        raise _cli_error(f"{path}: not a file (the {what})")
+        raise bad_input(f"{path}: not a file (the {what})")
 
 
 def _load(model: Path, threads: int | None, device: str | None):
@@ -117,7 +128,7 @@ def _load(model: Path, threads: int | None, device: str | None):
 
 def _positive(value: int, flag: str) -> None:
     if value < 1:
-        raise _cli_error(f"{flag} {value} must be >= 1")
+        raise bad_input(f"{flag} {value} must be >= 1")
 
 
 # -- demo-data -------------------------------------------------------------------
@@ -147,10 +158,10 @@ def _labels(text: str | None) -> list[str] | None:
         return None
     items = [t.strip() for t in text.split(",")]
     if not items or any(not t for t in items):
-        raise _cli_error(f"--labels {text!r}: give the class names, comma-separated, none empty")
+        raise bad_input(f"--labels {text!r}: give the class names, comma-separated, none empty")
     if len(set(items)) != len(items):
         dup = next(t for t in items if items.count(t) > 1)
-        raise _cli_error(f"--labels: the class name {dup!r} is given twice")
+        raise bad_input(f"--labels: the class name {dup!r} is given twice")
     return items
 
 
@@ -165,7 +176,7 @@ def convert(
     """Convert a Hugging Face ViT image classifier to a toy-vit GGUF file."""
     names = _labels(labels)
     if out.is_dir():
-        raise _cli_error(f"{out}: is a folder; give the GGUF file to write")
+        raise bad_input(f"{out}: is a folder; give the GGUF file to write")
     with _errors():
         from toy_vit.convert import convert_hf
         from toy_vit.gguf_io import read_gguf
@@ -228,9 +239,7 @@ def train_cmd(
     batch_size: Annotated[
         int | None, typer.Option("--batch-size", "-b", help="Images per step (default 32).", rich_help_panel=_P)
     ] = None,
-    seed: Annotated[
-        int | None, typer.Option("--seed", help="Weights, split, order, augmentation (default 0).", rich_help_panel=_P)
-    ] = None,
+    seed: Seed = None,
     eval_every: Annotated[
         int | None,
         typer.Option("--eval-every", help="Validate every N steps, and at the end (default 100).", rich_help_panel=_P),
@@ -248,15 +257,9 @@ def train_cmd(
     no_flip: Annotated[
         bool, typer.Option("--no-flip", help="No horizontal flips (digits, text).", rich_help_panel=_P)
     ] = False,
-    out: Annotated[
-        Path | None,
-        typer.Option("--out", help="Runs folder (default: $TOY_RUNS_DIR, else ./runs).", rich_help_panel=_P),
-    ] = None,
-    threads: Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads.", rich_help_panel=_P)] = None,
-    device: Annotated[
-        str | None,
-        typer.Option("--device", help="cpu, cuda0, ... (default: TOY_DEVICE, else cpu).", rich_help_panel=_P),
-    ] = None,
+    out: RunsOut = None,
+    threads: TrainThreads = None,
+    device: TrainDevice = None,
     lr: Annotated[
         float | None, typer.Option("--lr", help="Peak learning rate (default 1e-3).", rich_help_panel=_O)
     ] = None,
@@ -273,12 +276,10 @@ def train_cmd(
         bool,
         typer.Option("--freeze", help="With --from: train only the head and the final LayerNorm.", rich_help_panel=_F),
     ] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
+    quiet: Quiet = False,
+    as_json: JsonSummary = False,
 ) -> None:
     """Train a ViT classifier on an image folder (or fine-tune one, --from); --resume RUN continues a stopped run."""
-    from toy_cli.commands.train import run_training
-
     given = {
         "DATA": data, "--preset": preset, "--image-size": image_size, "--patch-size": patch_size,
         "--channels": channels, "--d-model": d_model, "--layers": n_layer, "--heads": n_head, "--ffn": d_ff,
@@ -290,30 +291,30 @@ def train_cmd(
     if resume is not None:
         extra = [k for k, v in given.items() if v is not None]
         if extra:
-            raise _cli_error(
+            raise bad_input(
                 f"--resume continues a run as it was configured: {', '.join(extra)} cannot go with it",
                 "only --steps (a new total), --json and --quiet go with --resume",
             )
         task = _run_task(resume)
         if task is not None and task != "vit":
-            raise _cli_error(f"{resume}: a {task!r} run, not a toy vit run", "toy train --resume RUN resumes any run")
+            raise bad_input(f"{resume}: a {task!r} run, not a toy vit run", "toy train --resume RUN resumes any run")
         if task is None and (resume / "events.jsonl").is_file():
-            raise _cli_error(f"{resume}: not a toy vit run (a language-model run)", f"toy train --resume {resume}")
-        from toy.train.loop import resume as resume_run
+            raise bad_input(f"{resume}: not a toy vit run (a language-model run)", f"toy train --resume {resume}")
+        from toy.train.lmrun import resume as resume_run
 
         run_training(lambda hooks: resume_run(resume, hooks, steps=steps), quiet, as_json)
         return
     if data is None:
-        raise _cli_error("give the image folder to train on: toy vit train DATA", "toy vit demo-data digits writes one")
+        raise bad_input("give the image folder to train on: toy vit train DATA", "toy vit demo-data digits writes one")
     if steps is None and epochs is None:
-        raise _cli_error("give the length of the run: --steps N or --epochs E")
+        raise bad_input("give the length of the run: --steps N or --epochs E")
     if steps is not None and epochs is not None:
-        raise _cli_error("--steps and --epochs exclude each other: give one")
+        raise bad_input("--steps and --epochs exclude each other: give one")
     if channels is not None and channels not in (1, 3):
-        raise _cli_error(f"--channels {channels}: 1 (grey) or 3 (RGB)")
+        raise bad_input(f"--channels {channels}: 1 (grey) or 3 (RGB)")
     if base is not None and preset is not None:
-        raise _cli_error("--preset and --from exclude each other: a fine-tune has its base model's dimensions")
-    values = {
+        raise bad_input("--preset and --from exclude each other: a fine-tune has its base model's dimensions")
+    values: dict[str, Any] = {
         "data": str(data), "preset": preset, "image_size": image_size, "patch_size": patch_size,
         "n_channels": channels, "d_model": d_model, "n_layer": n_layer, "n_head": n_head, "d_ff": d_ff,
         "crop_scale": _pair(crop_scale), "steps": steps, "epochs": epochs,
@@ -323,9 +324,9 @@ def train_cmd(
         "freeze": True if freeze else None,
     }  # fmt: skip
     with _errors():
-        from toy_vit.trainconfig import VitTrainConfig, validate
+        from toy_vit.trainconfig import ViTTrainConfig, validate
 
-        cfg = validate(VitTrainConfig(**{k: v for k, v in values.items() if v is not None}))
+        cfg = validate(ViTTrainConfig(**{k: v for k, v in values.items() if v is not None}))
         if base is not None:
             _check_base(base, cfg.overrides())
     from toy_vit.train import train
@@ -339,7 +340,7 @@ def _pair(text: str | None) -> tuple[float, float] | None:
     try:
         lo, hi = (float(x) for x in text.split(","))
     except ValueError:
-        raise _cli_error(f"--crop-scale {text!r}: give two numbers MIN,MAX (e.g. 0.7,1)") from None
+        raise bad_input(f"--crop-scale {text!r}: give two numbers MIN,MAX (e.g. 0.7,1)") from None
     return (lo, hi)
 
 
@@ -354,7 +355,7 @@ def _check_base(base: Path, overrides: dict[str, int]) -> None:
         bcfg = config_from_gguf(gf)
     for field, v in overrides.items():
         if getattr(bcfg, field) != v:
-            raise _cli_error(
+            raise bad_input(
                 f"{FLAGS[field]} {v} differs from the base model's {getattr(bcfg, field)} ({base})",
                 f"a fine-tune has its base's dimensions: leave {FLAGS[field]} out",
             )
@@ -374,23 +375,19 @@ def eval_cmd(
     plot: Annotated[
         Path | None, typer.Option("--plot", help="Also draw the confusion matrix to this PNG (toy-vit[plot]).")
     ] = None,
-    batch_size: Batch = 32,
+    batch_size: ImageBatch = 32,
     threads: Threads = None,
     device: Device = None,
-    runs_dir: Annotated[
-        Path | None, typer.Option("--runs-dir", help="Where the run bundle goes (default: $TOY_RUNS_DIR or ./runs).")
-    ] = None,
+    runs_dir: RunsDir = None,
     as_json: AsJson = False,
 ) -> None:
     """Accuracy, top-5, mean NLL, per-class precision/recall/F1 and the confusion matrix of a model on images."""
-    from toy_cli.commands.models import _Progress
-
     if split not in ("val", "all", "train"):
-        raise _cli_error(f"--split {split!r}: val, all or train")
+        raise bad_input(f"--split {split!r}: val, all or train")
     _positive(batch_size, "--batch-size")
     if seed < 0:
-        raise _cli_error(f"--seed {seed} must be >= 0")
-    bar = _Progress()
+        raise bad_input(f"--seed {seed} must be >= 0")
+    bar = Progress()
     with _errors():
         from toy.runs import runs_dir as resolve_runs
         from toy.runs.folder import check_output_dir
@@ -453,7 +450,7 @@ def classify_cmd(
     model: Annotated[Path, typer.Argument(help="A toy-vit GGUF.")],
     images: Annotated[list[Path], typer.Argument(help="Image files (PNG, JPEG, WebP, BMP).")],
     top_k: Annotated[int, typer.Option("--top-k", "-k", help="Classes shown per image.")] = 5,
-    batch_size: Batch = 32,
+    batch_size: ImageBatch = 32,
     threads: Threads = None,
     device: Device = None,
     as_json: AsJson = False,

@@ -21,9 +21,9 @@ survive pipes, logs and tests. ``--max-length`` defaults to the model's
 context length capped at 2048.
 
 ``toy data demo-chat [OUT]`` writes the bundled chat set
-(``toy.train.corpus.write_demo_chat``) and prints its path.
+(``toy.train.demodata.write_demo_chat``) and prints its path.
 
-Conventions (DESIGN.md section 6): data on stdout, notes on stderr; bad input
+Conventions (docs/concepts/architecture.md): data on stdout, notes on stderr; bad input
 exits 2 with ``error:``/``hint:`` lines. ``toy`` is imported inside the
 commands so ``toy --help`` stays fast.
 """
@@ -38,7 +38,7 @@ from typing import Annotated
 
 import typer
 
-from toy_cli.commands.models import _cli_error, _errors
+from toy_cli.ui import CLIError, JsonReport, cli_errors
 
 data_app = typer.Typer(
     help="Fine-tuning data: check a JSONL file against a model, write the demo chat set.", no_args_is_help=True
@@ -118,7 +118,7 @@ def check_cmd(
     ] = None,
     show: Annotated[int, typer.Option("--show", help="Print this many examples with their loss marked.")] = 3,
     plain: Annotated[bool, typer.Option("--plain", help=f"Mark loss spans with {OPEN} {CLOSE}, no colour.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    as_json: JsonReport = False,
     special_in_content: Annotated[
         bool,
         typer.Option(
@@ -129,10 +129,10 @@ def check_cmd(
 ) -> None:
     """Check instruction-tuning data: the loss-carrying tokens of the first examples, lengths, formats, problems."""
     if show < 0:
-        raise _cli_error(f"--show must be 0 or more (got {show})", None, 2)
+        raise CLIError(f"--show must be 0 or more (got {show})", None, 2)
     if max_length is not None and max_length < 2:
-        raise _cli_error(f"--max-length must be at least 2 (got {max_length})", None, 2)
-    with _errors():
+        raise CLIError(f"--max-length must be at least 2 (got {max_length})", None, 2)
+    with cli_errors():
         from toy.train.instruct import check_file
 
         tokenizer, template, ctx = _load(model)
@@ -150,7 +150,7 @@ def check_cmd(
         typer.echo("\n".join(lines))
     if report.problems:
         n = len(report.problems)
-        raise _cli_error(
+        raise CLIError(
             f"{n} problem{'s' if n != 1 else ''} in {file}",
             "fix the lines listed (line N: reason); blank lines are skipped",
             2,
@@ -165,16 +165,16 @@ def demo_chat_cmd(
 ) -> None:
     """Write the bundled chat set (messages JSONL: sums, conversions, word games, a fixed signature)."""
     if n < 1:
-        raise _cli_error(f"--n must be at least 1 (got {n})", None, 2)
+        raise CLIError(f"--n must be at least 1 (got {n})", None, 2)
     if out.is_dir():
-        raise _cli_error(f"{out}: is a folder", "OUT is the file to write, e.g. demo_chat.jsonl", 2)
-    with _errors():
-        from toy.train.corpus import write_demo_chat
+        raise CLIError(f"{out}: is a folder", "OUT is the file to write, e.g. demo_chat.jsonl", 2)
+    with cli_errors():
+        from toy.train.demodata import write_demo_chat
 
         try:
             path = write_demo_chat(out, n=n, seed=seed)
         except OSError as e:
-            raise _cli_error(f"{out}: cannot write: {e.strerror or e}", None, 1) from e
+            raise CLIError(f"{out}: cannot write: {e.strerror or e}", None, 1) from e
     typer.echo(f"wrote {n} conversations (seed {seed})", err=True)
     typer.echo(str(path))
 

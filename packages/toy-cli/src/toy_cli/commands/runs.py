@@ -1,6 +1,6 @@
 """`toy runs`: list, show, compare and plot run bundles (``runs/<run_id>/``).
 
-Conventions (DESIGN.md section 6): tables and ``--json`` documents on
+Conventions (docs/concepts/architecture.md): tables and ``--json`` documents on
 stdout; warnings on stderr. A malformed events line is a warning naming the
 run and the line (``warning: run ID: events.jsonl line N: reason``) and never
 stops a command; a RUN that cannot be found or is ambiguous is bad input
@@ -21,16 +21,12 @@ from typing import Annotated, Any
 
 import typer
 
-from toy_cli.commands.models import _cli_error, _errors
+from toy_cli.ui import AsJson, CLIError, RunsDir, cli_errors
 
 runs_app = typer.Typer(
     help="Read run bundles (runs/<run_id>/): list, show, compare and plot them.", no_args_is_help=True
 )
 
-RunsDir = Annotated[
-    Path | None, typer.Option("--runs-dir", help="The runs folder (default: $TOY_RUNS_DIR, else ./runs).")
-]
-AsJson = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 RunArgs = Annotated[list[str], typer.Argument(metavar="RUN...", help="Run folders, ids or unique id prefixes.")]
 # run_start "model" keys `show` prints (train: the dims; serve: the served file)
 SHOW_KEYS = ("path", "alias", "n_vocab", "d_model", "n_layer", "n_head", "n_head_kv", "d_ff", "context_length", "n_ctx")
@@ -41,7 +37,7 @@ def _root(runs_dir: Path | None) -> Path:
     from toy.runs.writer import runs_dir as default_root
 
     if runs_dir is not None and not runs_dir.is_dir():
-        raise _cli_error(f"{runs_dir}: not a folder", "pass the folder that holds the run folders", 2)
+        raise CLIError(f"{runs_dir}: not a folder", "pass the folder that holds the run folders", 2)
     return default_root(runs_dir)
 
 
@@ -55,7 +51,7 @@ def _load(args: list[str], runs_dir: Path | None) -> list:
     from toy.runs.reader import load_run, resolve_run
 
     root = _root(runs_dir)
-    with _errors():
+    with cli_errors():
         runs = [load_run(resolve_run(a, root)) for a in args]
     _warn(runs)
     return runs
@@ -127,7 +123,7 @@ def list_cmd(
     from toy.runs.reader import list_runs
 
     root = _root(runs_dir)
-    with _errors():
+    with cli_errors():
         runs = list_runs(root, kind=kind, status=status, sort=sort)
     runs = runs[:limit] if limit else runs
     _warn(runs)
@@ -279,7 +275,7 @@ def compare_cmd(runs: RunArgs, as_json: AsJson = False, runs_dir: RunsDir = None
     from toy.runs.reader import compare
 
     if len(runs) < 2:
-        raise _cli_error("compare needs two or more runs", "toy runs compare RUN_A RUN_B [RUN...]", 2)
+        raise CLIError("compare needs two or more runs", "toy runs compare RUN_A RUN_B [RUN...]", 2)
     loaded = _load(runs, runs_dir)
     c = compare(loaded)
     if as_json:
@@ -323,7 +319,7 @@ def plot_cmd(
 ) -> None:
     """Plot loss (training lines, validation markers) and learning rate of runs to an image (needs matplotlib: the plot extra)."""
     loaded = _load(runs, runs_dir)
-    with _errors():
+    with cli_errors():
         from toy.runs.plot import plot_runs
 
         info = plot_runs(loaded, out, title=title, log_loss=log_loss)
