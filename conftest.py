@@ -1,21 +1,13 @@
-"""Repository-wide pytest fixtures and test helper modules.
+"""Repository-wide pytest fixtures and hooks.
 
-Test folders are not on ``sys.path`` (pytest runs with
-``--import-mode=importlib``), so shared helper modules are registered here
-once: ``import toy_test_models`` (tiny synthetic llama GGUF writer, local
-wheel lookup), ``import gguf_bytes`` (a raw GGUF byte builder) and
-``from tiny_llama import write_tiny, VARIANTS`` (tiny seeded llama-family
-models covering every config variant, for forward and engine tests),
-``import torch_llama`` (the float64 PyTorch training reference),
-``from train_helpers import packed_batch, assert_grads_close`` (batches and
-the gradient comparison of the training-engine tests),
-``from cli_helpers import run, assert_clean_error, FakeStdin`` (the CLI tests'
-in-process ``toy``, clean-error check and fake stdin),
-``from bench_side import Side`` (a benchmark's child process), the
-reference-model helpers ``gpt2_ref``, ``gemma_ref``, ``moe_ref`` (seeded
-Hugging Face models converted by llama.cpp's converter, cached),
-``llamacpp_parity`` (what the llama.cpp parity tests share) and
-``serve_helpers`` (what the live-server tests share).
+Test helpers and reference implementations are not here: they are the
+test-support package ``toy_testsupport`` (tests/support/, installed editable
+by ``just setup``, never shipped), imported by their package path, e.g.
+``from toy_testsupport.tiny_llama import write_tiny, VARIANTS``. This file
+holds only what pytest itself must provide: fixtures and hooks
+(``pytest_configure`` stops early, with the fix, when that package is not
+installed; ``pytest_runtest_setup`` runs ``avx2_reference`` tests only under
+the AVX2 CPU variant).
 
 ``record`` (benchmarks): print one figure as a JSON line on stdout with at
 least ``bench``, ``figure``, ``value`` and ``unit``, plus the context that
@@ -59,34 +51,13 @@ def find_smollm2() -> Path | None:
     return None
 
 
-_HELPERS = {
-    "toy_test_models": "packages/toy-core/tests/model_path.py",
-    "gguf_bytes": "packages/toy-core/tests/gguf_bytes.py",
-    "tiny_llama": "packages/toy-core/tests/tiny_llama.py",
-    "bench_side": "packages/toy-core/benchmarks/bench_side.py",
-    "bench_models": "packages/toy-core/benchmarks/bench_models.py",
-    "torch_llama": "packages/toy-core/tests/torch_llama.py",
-    "train_helpers": "packages/toy-core/tests/train_helpers.py",
-    "cli_helpers": "packages/toy-cli/tests/cli_helpers.py",
-    "gpt2_ref": "packages/toy-core/tests/gpt2_ref.py",
-    "gemma_ref": "packages/toy-core/tests/gemma_ref.py",
-    "moe_ref": "packages/toy-core/tests/moe_ref.py",
-    "gpt2_np": "packages/toy-core/tests/gpt2_np.py",
-    "torch_gpt2": "packages/toy-core/tests/torch_gpt2.py",
-    # after gpt2_ref and train_helpers, which they import
-    "llamacpp_parity": "packages/toy-core/tests/llamacpp_parity.py",
-    "serve_helpers": "packages/toy-serve/tests/serve_helpers.py",
-}
-
-
 def pytest_configure(config):
-    root = Path(__file__).resolve().parent
-    for name, rel in _HELPERS.items():
-        if name not in sys.modules:
-            spec = importlib.util.spec_from_file_location(name, root / rel)
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules[name] = mod
-            spec.loader.exec_module(mod)
+    # an environment made before the package existed: one clear message instead of an import error per module
+    if importlib.util.find_spec("toy_testsupport") is None:
+        raise pytest.UsageError(
+            "the test-support package toy_testsupport is not installed: run `just setup` "
+            "(or `pip install --no-deps --no-build-isolation -e tests/support` in the environment)"
+        )
 
 
 # Outputs recorded with llama.cpp (or toy) on AVX2 kernels are the same arithmetic

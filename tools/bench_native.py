@@ -28,7 +28,8 @@ The dev venv's editable loader (a meson-python finder on ``sys.meta_path``,
 installed by a ``.pth`` file) wins over ``PYTHONPATH``, so a process that
 must import the native toy_ggml runs ``python -S`` with ``PYTHONPATH`` from
 ``child_pythonpath()`` (the native site, toy-core's, toy-cli's and
-toy-serve's sources, then the venv's site-packages for NumPy & co.)::
+toy-serve's sources, the test-support package's, then the venv's
+site-packages for NumPy & co.)::
 
     python tools/bench_native.py            # build if stale; print the site folder
     python tools/bench_native.py --force    # rebuild
@@ -192,12 +193,14 @@ def build(force: bool = False, log=sys.stderr) -> dict:
 def child_pythonpath() -> str:
     """PYTHONPATH for a ``python -S`` child that imports the native toy_ggml
     with the dev tree's toy, toy_cli and toy_serve (toy-core's compiled gguf_scan is
-    built in place under its src/ for the editable install)."""
+    built in place under its src/ for the editable install), and the
+    test-support package (the benchmark child scripts import its bench_side)."""
     parts = [
         SITE,
         ROOT / "packages" / "toy-core" / "src",
         ROOT / "packages" / "toy-cli" / "src",
         ROOT / "packages" / "toy-serve" / "src",
+        ROOT / "tests" / "support" / "src",
         Path(sysconfig.get_paths()["purelib"]),
         Path(sysconfig.get_paths()["platlib"]),
     ]

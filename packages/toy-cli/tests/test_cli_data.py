@@ -15,7 +15,8 @@ import json
 import sys
 
 import pytest
-from cli_helpers import run
+
+from toy_testsupport.cli_helpers import run
 
 pytestmark = pytest.mark.model
 

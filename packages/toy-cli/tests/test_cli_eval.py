@@ -15,9 +15,9 @@ import math
 from pathlib import Path
 
 import pytest
-from cli_helpers import run
 
 from toy_cli.main import main
+from toy_testsupport.cli_helpers import run
 
 FIX = Path(__file__).resolve().parents[2] / "toy-core/tests/fixtures"
 

@@ -1,7 +1,8 @@
-"""`toy describe` and `toy infer` on Gemma 2 and Gemma 3 files, and the
-Gemma variants toy refuses.
+"""`toy describe` and `toy infer --chat` on Gemma 2 and Gemma 3 files, and the
+Gemma variants toy refuses (greedy `toy infer` against the library, and what
+every architecture's describe shows, are test_cli_conformance.py's).
 
-The models are ``gemma_ref``'s (packages/toy-core/tests/gemma_ref.py):
+The models are ``gemma_ref``'s (tests/support/src/toy_testsupport/gemma_ref.py):
 seeded random Hugging Face Gemmas converted by llama.cpp's own
 ``convert_hf_to_gguf.py``, with a sliding window of 8, a SentencePiece
 tokenizer and Gemma 2's chat template. Expectations:
@@ -11,11 +12,11 @@ tokenizer and Gemma 2's chat template. Expectations:
   global layers, soft-caps, RoPE bases, the embedding scale √d); the
   algorithm card has the sliding-window mask and a soft-cap line per cap
   the model has, and none for a cap it lacks;
-- ``toy infer``: the greedy tokens are the library's (``toy.load`` +
-  ``Model.generate``, no CLI), on a prompt longer than the window; ``--chat``
-  sends the template's rendering (``ChatTemplate.render`` tokenized here);
-  a system message, which Gemma 2's template refuses, is an ``error:`` with
-  the template's reason and exit 2 (bad input, as the server's 400);
+- ``toy infer --chat`` sends the template's rendering
+  (``ChatTemplate.render`` tokenized here) and generates the library's
+  tokens (``toy.load`` + ``Model.generate``, no CLI); a system message,
+  which Gemma 2's template refuses, is an ``error:`` with the template's
+  reason and exit 2 (bad input, as the server's 400);
 - a ``gemma3n`` file and a Gemma 1 (``gemma``) file, written here with
   ``toy.gguf.GGUFWriter`` from a converted file with the architecture
   renamed: ``error:`` naming what toy lacks, exit 2, no traceback.
@@ -28,11 +29,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import gemma_ref
 import pytest
-from cli_helpers import assert_clean_error, infer_json_and_library, row, run
 
-PROMPT = "The quick brown fox jumps over the lazy dog."  # 15 tokens: past the window of 8
+from toy_testsupport import gemma_ref
+from toy_testsupport.cli_helpers import assert_clean_error, row, run
+
 N = 8
 
 
@@ -117,17 +118,6 @@ def test_describe_gemma3(capsys, shape):
 
 
 # ---------------------------------------------------------------- toy infer
-
-
-@pytest.mark.parametrize("shape", ["gemma2-tiny", "gemma3-tiny-untied"])
-def test_infer_greedy_equals_the_library(capsys, shape):
-    path = path_of(shape)
-    code, out, err = run(capsys, "infer", path, PROMPT, "-n", N, "--greedy")
-    assert code == 0, err
-    assert "Traceback" not in err and out.endswith("\n") and out.strip()
-    d, ids, want = infer_json_and_library(capsys, path, PROMPT, N)
-    assert len(ids) > 8 and d["prompt_ids"] == ids
-    assert d["tokens"] == want.tokens and d["text"] == want.text and len(d["tokens"]) == N
 
 
 def test_infer_chat_uses_the_gemma_template(capsys):

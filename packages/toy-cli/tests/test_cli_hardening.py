@@ -20,9 +20,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import toy_test_models as mp  # registered by the root conftest.py
-from cli_helpers import assert_clean_error, run
-from train_helpers import python_docs_corpus  # registered by the root conftest.py
+
+from toy_testsupport import toy_test_models as mp
+from toy_testsupport.cli_helpers import assert_clean_error, run
+from toy_testsupport.train_helpers import python_docs_corpus
 
 SMALL = ["--d-model", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "64"]
 SMALL += ["--vocab-size", "300", "--batch-size", "2", "--context", "32", "--threads", "1", "--eval-every", "0"]

@@ -28,11 +28,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import toy_test_models as mp  # registered by the root conftest.py
-from cli_helpers import FakeStdin, assert_clean_error, run
 
 import toy
-from toy.train.adapter import save_adapter
+from toy.adapters import save_adapter
+from toy_testsupport import toy_test_models as mp
+from toy_testsupport.cli_helpers import FakeStdin, assert_clean_error, run
 
 PROMPT = "Once upon a time, in a small village,"
 QUESTION = "What is the tallest mountain in the world?"

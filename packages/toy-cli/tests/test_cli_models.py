@@ -16,8 +16,9 @@ from pathlib import Path
 
 import gguf
 import pytest
-import toy_test_models as mp  # registered by the root conftest.py
-from cli_helpers import run
+
+from toy_testsupport import toy_test_models as mp
+from toy_testsupport.cli_helpers import run
 
 
 def assert_error(code, err, want_code, *fragments):

@@ -1,7 +1,9 @@
-"""`toy describe` and `toy infer` on mixture-of-experts files: OLMoE,
-Qwen2-MoE (a shared expert) and Qwen3-MoE (renormalised expert weights).
+"""`toy describe` on mixture-of-experts files: OLMoE, Qwen2-MoE (a shared
+expert) and Qwen3-MoE (renormalised expert weights). Greedy `toy infer`
+against the library on these files (F32, and Q8_0) is test_cli_conformance.py's,
+with every other architecture's.
 
-The models are ``moe_ref``'s (packages/toy-core/tests/moe_ref.py): seeded
+The models are ``moe_ref``'s (tests/support/src/toy_testsupport/moe_ref.py): seeded
 random Hugging Face models with 8 experts, top-2, converted by llama.cpp's
 own ``convert_hf_to_gguf.py`` (F32 and Q8_0), and a 256-wide file quantized
 by toy's ``quantize_model(..., "Q4_K_M")`` (K-quant experts). Expectations:
@@ -16,10 +18,7 @@ by toy's ``quantize_model(..., "Q4_K_M")`` (K-quant experts). Expectations:
   shared expert's sigmoid gate for qwen2moe, each variant's QK-norm, and no
   dense feed-forward line; ``--json`` carries ``n_expert``,
   ``n_expert_used``, ``d_ff_expert``, ``d_ff_shared``,
-  ``expert_weights_norm`` and ``expert_types``;
-- ``toy infer``: the greedy tokens are the library's (``toy.load`` +
-  ``Model.generate``, no CLI) on each architecture's F32 file and on a Q8_0
-  one; GPT-2's tokenizer adds no BOS, so the prompt ids are the text's.
+  ``expert_weights_norm`` and ``expert_types``.
 
 Every run is pinned to the CPU and one thread (as test_cli_infer.py).
 """
@@ -31,12 +30,11 @@ import re
 from collections import Counter
 from pathlib import Path
 
-import moe_ref
 import pytest
-from cli_helpers import infer_json_and_library, no_row, row, run
 
-PROMPT = "The weather was cold and windy, so we stayed inside and"
-N = 8
+from toy_testsupport import moe_ref
+from toy_testsupport.cli_helpers import no_row, row, run
+
 SHAPES = ["olmoe-tiny", "qwen2moe-tiny", "qwen3moe-tiny"]
 
 
@@ -169,21 +167,3 @@ def test_describe_quantized_experts(capsys, shape, outtype):
     assert code == 0, err
     line = next(ln for ln in out.splitlines() if ln.startswith("expert types"))
     assert {t: int(n) for t, n in re.findall(r"(\w+) ×(\d+)", line)} == dict(want), line
-
-
-# ---------------------------------------------------------------- toy infer
-
-
-@pytest.mark.parametrize(
-    "shape, outtype", [*((s, "f32") for s in SHAPES), ("qwen3moe-tiny", "q8_0")], ids=lambda x: str(x)
-)
-def test_infer_greedy_equals_the_library(capsys, shape, outtype):
-    path = path_of(shape, outtype)
-    code, out, err = run(capsys, "infer", path, PROMPT, "-n", N, "--greedy", "--ignore-eos")
-    assert code == 0, err
-    assert "Traceback" not in err and out.endswith("\n") and out.strip()
-    assert f"{N} tok generated" in err and "finish: length" in err
-    d, ids, want = infer_json_and_library(capsys, path, PROMPT, N)
-    assert d["prompt_ids"] == ids and moe_ref.N_VOCAB - 1 not in ids  # no BOS
-    assert d["tokens"] == want.tokens and d["text"] == want.text and len(d["tokens"]) == N
-    assert out == want.text + "\n"  # the plain run prints the generated text

@@ -13,7 +13,8 @@ import json
 import sys
 
 import pytest
-from cli_helpers import run
+
+from toy_testsupport.cli_helpers import run
 
 A = "train-20260101-000000-aaaa"  # completed, 4 steps
 B = "train-20260103-000000-bbbb"  # interrupted, 2 steps, one malformed line (line 3)

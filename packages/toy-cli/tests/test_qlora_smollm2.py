@@ -25,8 +25,8 @@ pytestmark = pytest.mark.model
 
 
 def test_qlora_learns_and_stays_small(smollm2_path, tmp_path):
-    from toy.train.adapter import load_adapter
-    from toy.train.corpus import write_demo_chat
+    from toy.adapters import load_adapter
+    from toy.train.demodata import write_demo_chat
 
     data = tmp_path / "chat.jsonl"
     write_demo_chat(data, n=160, seed=0)

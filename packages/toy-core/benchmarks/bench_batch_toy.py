@@ -33,9 +33,9 @@ import sys
 import time
 
 import numpy as np
-from bench_side import vm_hwm_bytes  # this folder: run as a script, its folder is on sys.path
 
 import toy
+from toy_testsupport.bench_side import vm_hwm_bytes
 
 
 def level(engine, prompts: list[list[int]], S: int, steps: int) -> dict:

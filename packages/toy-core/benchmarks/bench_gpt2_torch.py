@@ -2,7 +2,7 @@
 
 Used by ``test_bench_train.py`` (its torch side, run as a script, so this
 folder is on ``sys.path``). Written as PyTorch is normally used, at its
-best on a CPU, not as a reference (that is ``tests/torch_gpt2.py``, float64
+best on a CPU, not as a reference (that is ``toy_testsupport/torch_gpt2.py``, float64
 and op by op): ``nn.Embedding`` token and learned position embeddings,
 ``nn.LayerNorm`` (gain and shift, ``cfg.norm_eps``), one fused QKV
 ``nn.Linear`` with bias split into Q | K | V thirds (head j owns rows

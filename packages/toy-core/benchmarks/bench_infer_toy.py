@@ -49,7 +49,7 @@ import os
 import sys
 import time
 
-from bench_side import vm_hwm_bytes  # this folder: run as a script, its folder is on sys.path
+from toy_testsupport.bench_side import vm_hwm_bytes
 
 
 class _ComputeTimer:

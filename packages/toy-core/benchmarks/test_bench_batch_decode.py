@@ -37,7 +37,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from bench_side import TEXT, Side, alternate, peer_python
+
+from toy_testsupport.bench_side import TEXT, Side, alternate, peer_python
 
 pytestmark = pytest.mark.bench
 
@@ -78,7 +79,7 @@ def test_batch_decode(record, smollm2_path, tmp_path):
 def test_batch_decode_moe(record, tmp_path):
     """The same on the OLMoE-shaped ~1B Q4_K_M model of test_bench_infer.py
     (issue 17: toy's 8-sequence decode against llama.cpp's batched decoding)."""
-    from bench_models import moe_bench_model
+    from toy_testsupport.bench_models import moe_bench_model
 
     run_batch(record, moe_bench_model(), tmp_path, tag="olmoe-1b Q4_K_M")
 

@@ -92,7 +92,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
-from bench_side import Side, alternate
+
+from toy_testsupport.bench_side import Side, alternate
 
 pytestmark = pytest.mark.bench
 
@@ -193,9 +194,9 @@ class ToyLoraSide(bt.ToySide):
     def __init__(self, gf, cfg, batch: int, context: int, threads: int):
         import toy_ggml
         from toy.gguf import bind_tensors
-        from toy.train.engine import TrainEngine
         from toy.train.lora import LoraTrain, init_lora
         from toy.train.optim import OptimConfig
+        from toy.train.stepgraph import TrainEngine
 
         runtime = toy_ggml.Runtime("cpu", threads=threads)
         self.bound = bind_tensors(gf, runtime)
@@ -285,7 +286,7 @@ def side_main(argv: list[str]) -> None:
     from toy.gguf import GGUFFile
     from toy.models.llama import LlamaConfig
     from toy.train.config import RECIPE_DEFAULTS
-    from toy.train.engine import TrainEngine  # noqa: F401
+    from toy.train.stepgraph import TrainEngine  # noqa: F401
 
     group = args.side.split("-")[1]
     bt.LR = RECIPE_DEFAULTS[group]["optim"]["lr"]  # ToySide / TorchSide (and their steps) read it

@@ -48,7 +48,7 @@ GPT-2 (``test_inference_gpt2``): the same machinery and figures on
 GPT-2-small's shape (124M parameters, 12 layers, d 768, vocabulary 50257,
 tied head) with seeded random weights, as F32 and Q8_0 files made by
 llama.cpp's own converter (``convert_hf_to_gguf.py`` from a Hugging Face
-``GPT2LMHeadModel``: ``tests/gpt2_ref.py``'s ``gguf_path("small124m", 0,
+``GPT2LMHeadModel``: ``toy_testsupport/gpt2_ref.py``'s ``gguf_path("small124m", 0,
 ...)``, cached under ``$TOY_TEST_GPT2_CACHE`` or ``~/.cache/toy-test-gpt2``;
 the first run builds them, minutes). The prompts are the same text
 tokenized by toy's tokenizer from the GPT-2 file, cut to 128 and 512 tokens
@@ -63,7 +63,7 @@ Gemma (``test_inference_gemma``, issue 16): the same machinery and figures on
 Gemma 3 270M's shape (18 layers, d 640, 4 query heads and 1 key/value head of
 256, d_ff 2048, a 262,144-token vocabulary, tied head; sliding windows of 512
 on layers 0-4, 6-10, 12-16, global layers 5, 11, 17; RoPE bases 10000 and
-1e6) with seeded random weights (``tests/gemma_ref.py``'s scheme and
+1e6) with seeded random weights (``toy_testsupport/gemma_ref.py``'s scheme and
 tokenizer, the vocabulary padded by the converter), as F32 and Q8_0 files
 made by llama.cpp's converter, cached under ``$TOY_BENCH_MODEL_DIR`` or
 ``~/.cache/toy-bench-gemma`` (the first run builds them, minutes). Prompts of
@@ -74,7 +74,7 @@ tokens/s records carry the target toy / llama.cpp >= 1.0.
 Mixture of experts (``test_inference_moe``, issue 17): the same machinery
 and figures on an OLMoE-shaped model scaled to about 1B parameters (16
 layers, d 1024, 16 heads, 64 experts of width 256, top-8, GPT-2's
-vocabulary; ``tests/moe_ref.py``'s weight scheme, seed 0), converted by
+vocabulary; ``toy_testsupport/moe_ref.py``'s weight scheme, seed 0), converted by
 llama.cpp's converter to F16 and quantized by ``toy.gguf.quantize_model`` to
 the Q4_K_M mix llama.cpp's quantizer makes (byte-identical to it:
 ``tests/test_quant_mix.py``), cached under ``$TOY_BENCH_MODEL_DIR`` or
@@ -101,8 +101,9 @@ import time
 from pathlib import Path
 
 import pytest
-from bench_models import moe_bench_model, ref_module
-from bench_side import TEXT, Side, peer_python
+
+from toy_testsupport.bench_models import moe_bench_model, ref_module
+from toy_testsupport.bench_side import TEXT, Side, peer_python
 
 pytestmark = pytest.mark.bench
 
@@ -122,13 +123,13 @@ RSS_SLACK = 100_000_000  # the target: peak RSS <= file + KV cache + 100 MB
 # ggml default poll); on a 2-core machine the next side would share the cores with it
 SETTLE_S = 0.5
 SIDE_TIMEOUT_S = 1800  # a side still running after this is killed (the test then fails)
-# GPT-2-small (124M) as converted by llama.cpp from a seeded random HF model (tests/gpt2_ref.py)
+# GPT-2-small (124M) as converted by llama.cpp from a seeded random HF model (toy_testsupport/gpt2_ref.py)
 GPT2_SHAPE = "small124m"
 GPT2_DTYPES = {"F32": "f32", "Q8_0": "q8_0"}  # figure label -> the converter's --outtype
 GPT2_NEW_TOKENS = 64
 GPT2_TAG = "gpt2-124m"
 GPT2_TARGET = 1.0  # the issue's target: toy / llama.cpp >= 1.0 in tokens/s
-# Gemma 3 270M's shape (tests/gemma_ref.py fields), seeded random weights
+# Gemma 3 270M's shape (toy_testsupport/gemma_ref.py fields), seeded random weights
 GEMMA_SHAPE = {
     "arch": "gemma3",
     "hidden_size": 640,
@@ -252,7 +253,7 @@ def test_inference_moe(record, tmp_path):
         target=1.0,
         arch="olmoe",
         shape="OLMoE-shaped, ~1B (16 layers, d 1024, 16 heads, 64 experts of width 256, top-8, vocabulary 50257)",
-        weights="seeded random (tests/moe_ref.py's scheme, seed 0), llama.cpp's converter (F16), toy's Q4_K_M mix",
+        weights="seeded random (toy_testsupport/moe_ref.py's scheme, seed 0), llama.cpp's converter (F16), toy's Q4_K_M mix",
     )
 
 
@@ -357,7 +358,7 @@ def test_inference_gpt2(record, gpt2_models, gpt2_prompt_ids, tmp_path, dtype):
         target=GPT2_TARGET,
         arch="gpt2",
         shape=f"{GPT2_SHAPE} (GPT-2-small: 12 layers, d 768, 12 heads, vocabulary 50257, tied head)",
-        weights="seeded random (tests/gpt2_ref.py, seed 0), converted by llama.cpp's convert_hf_to_gguf.py",
+        weights="seeded random (toy_testsupport/gpt2_ref.py, seed 0), converted by llama.cpp's convert_hf_to_gguf.py",
     )
 
 
@@ -375,7 +376,7 @@ def test_inference_gemma(record, gemma_models, gemma_prompt_ids, tmp_path, dtype
         prompt_lengths=GEMMA_PROMPT_LENGTHS,
         arch="gemma3",
         shape="Gemma 3 270M (18 layers, d 640, 4/1 heads of 256, d_ff 2048, vocabulary 262144, window 512)",
-        weights="seeded random (tests/gemma_ref.py's scheme, seed 0), converted by llama.cpp's convert_hf_to_gguf.py",
+        weights="seeded random (toy_testsupport/gemma_ref.py's scheme, seed 0), converted by llama.cpp's convert_hf_to_gguf.py",
     )
 
 

@@ -38,7 +38,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from bench_side import peer_python
+
+from toy_testsupport.bench_side import peer_python
 
 pytestmark = pytest.mark.bench
 

@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 import pytest
-from bench_side import peer_python
 
 from toy.tokenizer import Tokenizer
+from toy_testsupport.bench_side import peer_python
 
 pytestmark = pytest.mark.bench
 

@@ -23,7 +23,7 @@ median over a side's K step times.
 
 - toy: ``TrainEngine(ArchTrain(cfg), params, toy_ggml.Runtime("cpu",
   threads=N), OptimConfig(lr=1e-3), batch=B, context=T)``, the config built
-  as ``toy.train.loop`` does (RoPE "normal" over the whole head, tied output,
+  as ``toy.train.lmrun`` does (RoPE "normal" over the whole head, tied output,
   RMS eps 1e-5); a step is ``engine.train_step([batch], 1e-3)`` (batch
   uploads, one graph: forward, cross-entropy, backward, global-norm clip at
   1.0, ggml's AdamW; the loss and the norm read back).
@@ -105,7 +105,8 @@ import time
 from pathlib import Path
 
 import pytest
-from bench_side import Side, alternate
+
+from toy_testsupport.bench_side import Side, alternate
 
 pytestmark = pytest.mark.bench
 
@@ -233,9 +234,9 @@ class ToySide:
 
     def __init__(self, cfg, params, batch: int, context: int, threads: int):
         import toy_ggml
-        from toy.train.engine import TrainEngine
         from toy.train.model import ArchTrain
         from toy.train.optim import OptimConfig
+        from toy.train.stepgraph import TrainEngine
 
         runtime = toy_ggml.Runtime("cpu", threads=threads)
         self.engine = TrainEngine(ArchTrain(cfg), params, runtime, OptimConfig(lr=LR), batch=batch, context=context)
@@ -257,7 +258,7 @@ class ToySide:
         """One more step with every node timed (``TrainEngine.profile_step``):
         the ops ranked by time. Nodes then run one at a time, so the total is
         above a timed step's compute; the shares show where the step goes."""
-        from toy.train.engine import profile_summary
+        from toy.train.stepgraph import profile_summary
 
         _, nodes = self.engine.profile_step([b], LR)
         return {
@@ -465,7 +466,7 @@ def side_main(argv: list[str]) -> None:
         import torch  # noqa: F401
     else:
         import toy_ggml  # noqa: F401
-        from toy.train.engine import TrainEngine  # noqa: F401
+        from toy.train.stepgraph import TrainEngine  # noqa: F401
     from toy.train.model import init_params
 
     rss_start = proc_status_bytes("VmRSS")

@@ -1,5 +1,5 @@
-"""Fixtures shared by toy-core's tests (the helper modules are registered by
-the root conftest.py).
+"""Fixtures shared by toy-core's tests (the helper modules are the
+test-support package's, ``toy_testsupport``).
 
 - ``rt``: a CPU ``toy_ggml.Runtime`` with 2 threads, one per test module
   (a module that needs other settings defines its own ``rt``).

@@ -7,7 +7,6 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
-import toy_test_models as mp  # registered by the root conftest.py
 
 import toy_ggml
 from toy.gguf import GGUFFile, GGUFWriter
@@ -21,6 +20,7 @@ from toy.gguf.convert import (
     tensor_target,
 )
 from toy_ggml import GGMLType
+from toy_testsupport import toy_test_models as mp
 
 
 def _gguf_value(field):

@@ -2,7 +2,7 @@
 
 References:
 - tiny seeded F32 models (``toy_test_models.write_tiny_model``) against the
-  NumPy float64 forward (``toy.reference.llama_np``), with the windows of
+  NumPy float64 forward (``toy_testsupport.reference.llama_np``), with the windows of
   llama-perplexity re-derived here by hand from its definition (not through
   ``toy.eval.windows``);
 - the real SmolLM2 Q4_1 file against llama.cpp: ``fixtures/eval_llamacpp.json``,
@@ -24,14 +24,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import toy_test_models as mp
 
 import toy
 import toy.eval as E
 from toy.errors import BadInputError
 from toy.eval.windows import NLLStats, count_windows, windows
 from toy.gguf import GGUFFile
-from toy.reference import llama_np
+from toy_testsupport import toy_test_models as mp
+from toy_testsupport.reference import llama_np
 
 FIX = Path(__file__).parent / "fixtures"
 VOCAB = 96

@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import gemma_ref
 import numpy as np
 import pytest
 
 from toy import models
 from toy.engine.llm import LLMEngine
 from toy.gguf import GGUFFile
-from toy.reference.full import FullModel
+from toy_testsupport import gemma_ref
+from toy_testsupport.reference.full import FullModel
 
 SHAPES = ("gemma2-tiny", "gemma3-tiny", "gemma3-tiny-untied")
 HF_ATOL = 1e-4

@@ -91,12 +91,13 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-import gemma_ref
-import llamacpp_parity as parity
 import numpy as np
 import pytest
-from llamacpp_parity import sha256_file, weights_sha256
-from train_helpers import Batch
+
+from toy_testsupport import gemma_ref
+from toy_testsupport import llamacpp_parity as parity
+from toy_testsupport.llamacpp_parity import sha256_file, weights_sha256
+from toy_testsupport.train_helpers import Batch
 
 HERE = Path(__file__).resolve().parent
 FIXTURE = HERE / "fixtures" / "gemma_llamacpp.json"
@@ -207,9 +208,9 @@ def finetune_checkpoint(folder: Path) -> tuple[Path, list[float]]:
     from toy import models
     from toy.gguf import GGUFFile
     from toy.train import checkpoint
-    from toy.train.engine import TrainEngine
     from toy.train.model import ArchTrain
     from toy.train.optim import OptimConfig
+    from toy.train.stepgraph import TrainEngine
 
     base = gemma_ref.gguf_path(*FT["base"])
     rt = toy_ggml.Runtime("cpu", threads=FT["threads"])
@@ -288,7 +289,7 @@ def test_greedy_tokens_equal_llamacpp(rec):
 @needs_fixture
 @pytest.mark.parametrize("lo", REC.lora_params())
 def test_adapter_is_the_recorded_file(lo, tmp_path):
-    from toy.train.adapter import load_adapter
+    from toy.adapters import load_adapter
 
     shape = lo["base"]["recipe"]["shape"]
     _, path = REC.lora_files(lo, tmp_path)  # the recorded recipe, base and adapter bytes

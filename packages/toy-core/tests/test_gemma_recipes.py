@@ -1,5 +1,5 @@
 """The fine-tuning recipes on Gemma GGUFs: LoRA and full fine-tunes through
-``toy.train.loop.train`` / ``resume`` (the entry points of the llama recipe
+``toy.train.lmrun.train`` / ``resume`` (the entry points of the llama recipe
 tests), on ``gemma_ref``'s converted Gemma 2 (sliding window 8 on layers 0
 and 2, soft-caps 8 and 4, tied head) and Gemma 3 (QK-norm, six sliding
 layers of seven, linear RoPE scaling on the global one, an untied head with
@@ -14,7 +14,7 @@ Where each expectation comes from:
   (as test_train_recipes.py asserts for llama): step losses, the adapter's
   A/B (LoRA) or every weight (full), and the AdamW moments, bit for bit;
 - the adapter at inference: ``toy.load(base, lora=adapter)`` against the
-  merged model ``toy.train.merge`` writes (W + s·B·A in float64, then the
+  merged model ``toy.merge`` writes (W + s·B·A in float64, then the
   plain forward), both with an F32 KV cache, on 24 tokens (three windows),
   within ``TOL`` of the largest logit (float32 rounding, which ggml's
   float16 GELU table can turn into a float16 step); the adapter's effect on
@@ -46,21 +46,21 @@ import json
 import math
 from pathlib import Path
 
-import gemma_ref
 import numpy as np
 import pytest
-import train_helpers as th
-from gpt2_ref import sha256 as sha
-from train_helpers import assert_full_checkpoints, events, loss_spans
 
 import toy
 from toy import models
+from toy.adapters import load_adapter
 from toy.gguf import GGUFFile
 from toy.tokenizer import ChatTemplate, ChatTemplateError, Tokenizer
-from toy.train.adapter import load_adapter
 from toy.train.data import DataError
 from toy.train.instruct import load_examples
-from toy.train.loop import train
+from toy.train.lmrun import train
+from toy_testsupport import gemma_ref
+from toy_testsupport import train_helpers as th
+from toy_testsupport.gpt2_ref import sha256 as sha
+from toy_testsupport.train_helpers import assert_full_checkpoints, events, loss_spans
 
 SHAPES = ("gemma2-tiny", "gemma3-tiny-untied")
 CONTEXT = 48  # six windows of 8
@@ -214,7 +214,7 @@ def test_lora_run_resumes_exactly_and_its_adapter_loads(shape, data, tmp_path):
     assert sha(base) == before  # the base is never written
 
     # toy.load applies the adapter: the logits of the merged weights, not the base's
-    from toy.train.merge import merge_adapters
+    from toy.merge import merge_adapters
 
     merged = tmp_path / "merged.gguf"
     merge_adapters(base, [(straight.checkpoint, 1.0)], merged, drift=False)

@@ -24,12 +24,11 @@ runs only read them.
 
 from __future__ import annotations
 
-import gemma_ref
-import gpt2_ref
 import numpy as np
 import pytest
 
 from toy.tokenizer import ChatTemplate, ChatTemplateError, Tokenizer
+from toy_testsupport import gemma_ref, gpt2_ref
 
 SHAPES = sorted(gemma_ref.SHAPES)
 PROMPT = "Once upon a time, there was a little"

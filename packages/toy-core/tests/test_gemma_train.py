@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import dataclasses
 
-import gemma_ref
 import numpy as np
 import pytest
-from train_helpers import Batch, BoundModel, assert_grads_close, hf_masked_loss_backward, lora_reference
 
 from toy import models
-from toy.train.engine import TrainEngine
 from toy.train.lora import LoraSettings, LoraTrain
 from toy.train.model import ArchTrain
 from toy.train.optim import OptimConfig
+from toy.train.stepgraph import TrainEngine
+from toy_testsupport import gemma_ref
+from toy_testsupport.train_helpers import Batch, BoundModel, assert_grads_close, hf_masked_loss_backward, lora_reference
 
 SHAPES = ("gemma2-tiny", "gemma3-tiny", "gemma3-tiny-untied")
 B, T = 2, 20

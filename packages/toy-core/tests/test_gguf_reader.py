@@ -6,12 +6,12 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-import gguf_bytes as gb  # registered by the root conftest.py
 import numpy as np
 import pytest
 
 import toy_ggml as tg
 from toy.gguf import GGUFError, GGUFFile, ValueType
+from toy_testsupport import gguf_bytes as gb
 
 
 def write(tmp_path, data: bytes, name="m.gguf") -> Path:

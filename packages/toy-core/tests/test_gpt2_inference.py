@@ -68,11 +68,8 @@ import json
 import math
 from pathlib import Path
 
-import gpt2_np
-import gpt2_ref
 import numpy as np
 import pytest
-import torch_gpt2
 
 import toy
 import toy.eval as E
@@ -81,7 +78,8 @@ from toy import models
 from toy.eval.windows import log_softmax
 from toy.gguf import GGUFFile, GGUFWriter, copy_metadata
 from toy.gguf.convert import quantize_model
-from toy.reference.full import FullModel
+from toy_testsupport import gpt2_np, gpt2_ref, torch_gpt2
+from toy_testsupport.reference.full import FullModel
 
 HERE = Path(__file__).resolve().parent
 FIXTURE = HERE / "fixtures" / "gpt2_llamacpp.json"

@@ -36,7 +36,7 @@ same files.
   llama.cpp's own converter: ``gguf_path("tiny", 0, "f32")``, deterministic,
   checked by sha256): rank 4 on ``qkv``, ``o``, ``up`` and ``down`` of both
   layers, A and B ``std · N(0, 1)`` from one ``np.random.default_rng(seed)``,
-  written with ``toy.train.adapter.save_adapter``. The recorder refused to
+  written with ``toy.adapters.save_adapter``. The recorder refused to
   write unless the adapter changes llama.cpp's greedy tokens.
 
 What is compared: the prompt ids (llama.cpp's tokenizer on the embedded
@@ -61,13 +61,13 @@ import hashlib
 import json
 from pathlib import Path
 
-import gpt2_ref
 import numpy as np
 import pytest
-from llamacpp_parity import sha256_file, weights_sha256
-from train_helpers import seeded_adapter
 
 import toy_ggml
+from toy_testsupport import gpt2_ref
+from toy_testsupport.llamacpp_parity import sha256_file, weights_sha256
+from toy_testsupport.train_helpers import seeded_adapter
 
 HERE = Path(__file__).resolve().parent
 FIXTURE = HERE / "fixtures" / "gpt2_train_llamacpp.json"
@@ -135,7 +135,7 @@ def train_checkpoint(work: Path, run: dict | None = None) -> tuple[Path, str]:
     """Run ``run`` (default ``RUN``) on the counting corpus under ``work``;
     (the final checkpoint, the run id)."""
     from toy.train import config as C
-    from toy.train.loop import train
+    from toy.train.lmrun import train
 
     corpus = write_corpus(work / "corpus")
     values = {**(run or RUN), "data.paths": [str(corpus)], "data.cache_dir": str(work / "cache")}
@@ -249,7 +249,7 @@ def test_gpt2_checkpoint_is_the_recorded_file_and_llama_cpp_agrees(tmp_path):
 
 @needs_fixture
 def test_gpt2_lora_adapter_is_the_recorded_file_and_llama_cpp_agrees(tmp_path):
-    from toy.train.adapter import load_adapter
+    from toy.adapters import load_adapter
 
     want = FIX["lora"]
     assert want["adapter"]["recipe"] == LORA_RECIPE and want["prompts"] == LORA_PROMPTS

@@ -26,10 +26,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import gpt2_np
-import gpt2_ref
 import numpy as np
 import pytest
+
+from toy_testsupport import gpt2_np, gpt2_ref
 
 HERE = Path(__file__).resolve().parent
 FIXTURE = HERE / "fixtures" / "gpt2_llamacpp.json"

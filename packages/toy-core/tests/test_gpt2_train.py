@@ -1,7 +1,7 @@
 """Training GPT-2 (``toy.models.gpt2``) against an independent PyTorch reference,
 and GPT-2 runs end to end.
 
-Reference: ``torch_gpt2`` (tests/torch_gpt2.py), a float64 GPT-2 written from
+Reference: ``torch_gpt2`` (toy_testsupport/torch_gpt2.py), a float64 GPT-2 written from
 the math with torch autograd; ``torch_llama.adamw_step`` for AdamW (it is
 architecture-free). Inputs: tiny random GPT-2 configs (from the registry's
 ``train_config``), tied and untied, with random non-trivial LayerNorm gains
@@ -36,7 +36,7 @@ factor is off by 1e-4 or more).
 
 Runs: ``toy train from-scratch --arch gpt2 --preset tiny`` on the demo corpus
 (``toy train demo-corpus``: Python's documentation topics) through
-``toy.train.loop.train`` with the config that command builds. Cheapest
+``toy.train.lmrun.train`` with the config that command builds. Cheapest
 honest setting: the preset's model (d 128, 4 layers, 4 heads, FFN 512, 0.87M
 parameters) with a 512-token BPE, batch 4 x context 64 and one thread: 300
 steps take ~30 s here including the tokenizer (the defaults, 1024 tokens and
@@ -55,10 +55,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch_gpt2
-import torch_llama
-from train_helpers import BoundModel as Base
-from train_helpers import packed_batch
 
 from toy import models
 from toy.errors import BadInputError
@@ -66,12 +62,15 @@ from toy.gguf import GGUFFile, GGUFWriter
 from toy.models.gpt2 import GPT2Config
 from toy.train import checkpoint
 from toy.train import config as C
-from toy.train.corpus import write_python_docs
-from toy.train.engine import TrainEngine
-from toy.train.loop import Hooks, resume, train
+from toy.train.demodata import write_python_docs
+from toy.train.lmrun import Hooks, resume, train
 from toy.train.lora import LoraSettings, LoraTrain, init_lora
 from toy.train.model import ArchTrain, init_params
 from toy.train.optim import OptimConfig
+from toy.train.stepgraph import TrainEngine
+from toy_testsupport import torch_gpt2, torch_llama
+from toy_testsupport.train_helpers import BoundModel as Base
+from toy_testsupport.train_helpers import packed_batch
 
 GPT2 = models.get("gpt2")
 FP16_EMU_TOL = 5e-4  # against the float16-table emulation; measured up to 2.8e-4 (module docstring)
@@ -580,7 +579,7 @@ def test_lora_run_on_a_gpt2_base_writes_an_adapter_toy_load_applies(run300, tmp_
     names GPT-2's weights, and ``toy.load(base, lora=adapter)`` computes the
     logits of W + s·B·A (the reference), with the base file unchanged."""
     import toy
-    from toy.train.adapter import load_adapter
+    from toy.adapters import load_adapter
     from toy.train.config import defaults
 
     base = run300.checkpoint
@@ -618,10 +617,9 @@ def test_lora_run_on_a_gpt2_base_writes_an_adapter_toy_load_applies(run300, tmp_
 
 
 def test_warm_start_refuses_a_donor_of_another_architecture(tmp_path):
-    from tiny_llama import write_tiny
-
     from toy.train.model import model_config
     from toy.train.recipes import warm_start_params
+    from toy_testsupport.tiny_llama import write_tiny
 
     llama = write_tiny(tmp_path / "llama.gguf")
     cfg = C.override(C.TrainConfig(), **{**RUN, "recipe": "warm-start", "base": str(llama), "data.paths": ["x"]})

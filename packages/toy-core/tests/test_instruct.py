@@ -16,7 +16,6 @@ import json
 
 import numpy as np
 import pytest
-from train_helpers import loss_spans as spans
 
 from toy.gguf import GGUFFile
 from toy.models.common import block_causal_mask
@@ -24,6 +23,7 @@ from toy.tokenizer import Tokenizer
 from toy.tokenizer.chat import ChatTemplate
 from toy.train.data import BatchStream, DataError, validation_batches
 from toy.train.instruct import Example, InstructData, check_file, load_examples
+from toy_testsupport.train_helpers import loss_spans as spans
 
 # -- the hand-made tokenizer: ids 0-3 special, "\n" 4, " " 5, "!".."~" 6..99
 

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tiny_llama import VARIANTS, write_tiny  # registered by the root conftest.py
 
 from toy.errors import ToyError
 from toy.gguf import GGUFFile, GGUFWriter, copy_metadata
 from toy.models.common import causal_mask, padded_length
 from toy.models.llama import LlamaConfig
-from toy.reference import llama_np
-from toy.reference.full import FullModel
+from toy_testsupport.reference import llama_np
+from toy_testsupport.reference.full import FullModel
+from toy_testsupport.tiny_llama import VARIANTS, write_tiny
 
 FIXTURE = Path(__file__).parent / "fixtures" / "smollm2_generation_llamacpp.json"
 

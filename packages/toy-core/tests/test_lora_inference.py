@@ -1,9 +1,9 @@
 """LoRA adapters at inference (``toy.load(..., lora=...)``), the adapter file
-format as others read it, and ``toy.train.merge``.
+format as others read it, and ``toy.merge``.
 
 Where each expected value comes from:
 
-- logits: the float64 NumPy reference (``toy.reference.llama_np``, written
+- logits: the float64 NumPy reference (``toy_testsupport.reference.llama_np``, written
   from the math) run on weights ``W + s · B @ A`` computed here in float64,
   with ``s`` = alpha/rank (or alpha/√rank for rank-stabilized LoRA) times
   the user's scale worked out by hand, not read from ``Adapter.scale``.
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from train_helpers import seeded_adapter
 
 import toy
-from toy.train.adapter import AdapterError, load_adapter, save_adapter
+from toy.adapters import AdapterError, load_adapter, save_adapter
+from toy_testsupport.train_helpers import seeded_adapter
 
 TOL = 1e-5
 FIXTURE = Path(__file__).parent / "fixtures" / "lora_llamacpp.json"
@@ -49,11 +49,10 @@ def make_parity_adapter(base_path, out_path, *, base_name: str = "SmolLM2-135M-I
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(path, config, float64 weights) of a tiny seeded F32 llama (GQA 4:2)."""
-    from toy_test_models import write_tiny_model  # registered by the root conftest.py
-
     from toy.gguf import GGUFFile
     from toy.models.llama import LlamaConfig
-    from toy.reference import llama_np
+    from toy_testsupport.reference import llama_np
+    from toy_testsupport.toy_test_models import write_tiny_model
 
     path = write_tiny_model(
         tmp_path_factory.mktemp("lora") / "tiny.gguf", seed=3, extra_metadata={"tokenizer.ggml.merges": []}
@@ -77,7 +76,7 @@ def random_pairs(weights, stems=ALL, rank=4, seed=0, std=0.3, zero_b=False, laye
 
 def reference(tiny, terms, ids=IDS):
     """llama_np logits with W + Σ s · B @ A for terms [(pairs, s)]."""
-    from toy.reference import llama_np
+    from toy_testsupport.reference import llama_np
 
     _, cfg, w = tiny
     w2 = dict(w)
@@ -190,7 +189,7 @@ def test_wrong_base_and_non_adapter_files_are_refused(tiny, tmp_path):
 
 
 def test_parse_lora_arg(tmp_path):
-    from toy.engine.generate import parse_lora_arg
+    from toy.adapters import parse_lora_arg
 
     assert parse_lora_arg("a.gguf") == ("a.gguf", 1.0)
     assert parse_lora_arg("dir/a.gguf:0.25") == ("dir/a.gguf", 0.25)
@@ -232,7 +231,7 @@ def test_gguf_package_reads_the_adapter_as_llamacpp_expects(tiny, tmp_path):
 
 def test_merge_f32_equals_base_with_adapter(tiny, tmp_path):
     from toy.gguf import GGUFFile
-    from toy.train.merge import merge_adapters
+    from toy.merge import merge_adapters
 
     p1 = random_pairs(tiny[2], stems=("attn_q", "attn_v", "ffn_down"), seed=7)
     p2 = random_pairs(tiny[2], stems=("attn_v",), rank=2, seed=8)
@@ -270,7 +269,7 @@ def test_merge_f32_equals_base_with_adapter(tiny, tmp_path):
 
 def test_merge_q8_0_reports_small_positive_kl(tiny, tmp_path):
     from toy.gguf import GGUFFile
-    from toy.train.merge import merge_adapters
+    from toy.merge import merge_adapters
     from toy_ggml import GGMLType
 
     pairs = random_pairs(tiny[2], stems=("attn_q", "ffn_up"), seed=9)

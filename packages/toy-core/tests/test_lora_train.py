@@ -16,18 +16,18 @@ import hashlib
 
 import numpy as np
 import pytest
-import torch_llama
-from tiny_llama import VARIANTS, write_tiny
-from train_helpers import BoundModel as Base
-from train_helpers import assert_grads_close, lora_reference, packed_batch
 
 from toy.errors import BadInputError
 from toy.models.llama import LlamaConfig
-from toy.reference.llama_np import load_weights
-from toy.train.engine import TrainEngine
 from toy.train.lora import LoraSettings, LoraTrain, init_lora
 from toy.train.model import ArchTrain
 from toy.train.optim import OptimConfig
+from toy.train.stepgraph import TrainEngine
+from toy_testsupport import torch_llama
+from toy_testsupport.reference.llama_np import load_weights
+from toy_testsupport.tiny_llama import VARIANTS, write_tiny
+from toy_testsupport.train_helpers import BoundModel as Base
+from toy_testsupport.train_helpers import assert_grads_close, lora_reference, packed_batch
 
 
 @pytest.fixture

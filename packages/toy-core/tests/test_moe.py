@@ -21,20 +21,20 @@ own converter.
 
 from __future__ import annotations
 
-import moe_ref
 import numpy as np
 import pytest
-from train_helpers import Batch, assert_grads_close, hf_masked_loss_backward, lora_reference
 
 from toy import models
 from toy.engine.llm import LLMEngine
 from toy.gguf import GGUFFile, bind_tensors
-from toy.reference.full import FullModel
-from toy.reference.llama_np import load_weights
-from toy.train.engine import TrainEngine
 from toy.train.lora import LoraSettings, LoraTrain
 from toy.train.model import ArchTrain
 from toy.train.optim import OptimConfig
+from toy.train.stepgraph import TrainEngine
+from toy_testsupport import moe_ref
+from toy_testsupport.reference.full import FullModel
+from toy_testsupport.reference.llama_np import load_weights
+from toy_testsupport.train_helpers import Batch, assert_grads_close, hf_masked_loss_backward, lora_reference
 
 SHAPES = ("olmoe-tiny", "qwen2moe-tiny", "qwen3moe-tiny")
 HF_ATOL = 1e-4

@@ -108,11 +108,12 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-import llamacpp_parity as parity
-import moe_ref
 import numpy as np
 import pytest
-from llamacpp_parity import sha256_file
+
+from toy_testsupport import llamacpp_parity as parity
+from toy_testsupport import moe_ref
+from toy_testsupport.llamacpp_parity import sha256_file
 
 HERE = Path(__file__).resolve().parent
 FIXTURE = HERE / "fixtures" / "moe_llamacpp.json"
@@ -358,7 +359,7 @@ def test_kquant_greedy_tokens_equal_llamacpp(k):
 @needs_fixture
 @pytest.mark.parametrize("lo", REC.lora_params())
 def test_adapter_is_the_recorded_file(lo, tmp_path):
-    from toy.train.adapter import load_adapter
+    from toy.adapters import load_adapter
 
     shape = lo["base"]["recipe"]["shape"]
     _, path = REC.lora_files(lo, tmp_path)  # the recorded recipe, base and adapter bytes

@@ -1,5 +1,5 @@
 """The fine-tuning recipes on mixture-of-experts GGUFs: LoRA, QLoRA and full
-fine-tunes through ``toy.train.loop.train`` / ``resume`` (the entry points
+fine-tunes through ``toy.train.lmrun.train`` / ``resume`` (the entry points
 of the llama and Gemma recipe tests), on ``moe_ref``'s converted OLMoE,
 Qwen2-MoE (shared expert) and Qwen3-MoE (renormalised expert weights)
 models: 8 experts, top-2, GPT-2's tokenizer (no chat template, so the data
@@ -17,7 +17,7 @@ Where each expectation comes from:
   a dense feed-forward target (gate, up, down) is a ``ConfigError`` naming
   the model's targets before any step;
 - the adapter at inference: ``toy.load(base, lora=adapter)`` against the
-  merged model ``toy.train.merge`` writes (W + s·B·A in float64, then the
+  merged model ``toy.merge`` writes (W + s·B·A in float64, then the
   plain forward), both with an F32 KV cache, within ``TOL`` of the largest
   logit (float32 rounding of two ways to compute the same products,
   measured 3.6e-7 and 9.4e-7 of it; routing decisions are ~1e-3 apart in
@@ -40,19 +40,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import moe_ref
 import numpy as np
 import pytest
-import train_helpers as th
-from gpt2_ref import sha256 as sha
-from train_helpers import assert_full_checkpoints, events
 
 import toy
 from toy import models
+from toy.adapters import load_adapter
 from toy.gguf import GGUFFile
-from toy.train.adapter import load_adapter
 from toy.train.config import ConfigError
-from toy.train.loop import train
+from toy.train.lmrun import train
+from toy_testsupport import moe_ref
+from toy_testsupport import train_helpers as th
+from toy_testsupport.gpt2_ref import sha256 as sha
+from toy_testsupport.train_helpers import assert_full_checkpoints, events
 
 CONTEXT = 48
 # adapter applied vs merged weights, relative to the largest |logit|: float32 rounding
@@ -121,7 +121,7 @@ def test_lora_run_resumes_exactly_and_its_adapter_loads(shape, data, tmp_path):
     assert sha(base) == before  # the base is never written
 
     # toy.load applies the adapter: the logits of the merged weights, not the base's
-    from toy.train.merge import merge_adapters
+    from toy.merge import merge_adapters
 
     merged = tmp_path / "merged.gguf"
     merge_adapters(base, [(straight.checkpoint, 1.0)], merged, drift=False)

@@ -28,10 +28,10 @@ from __future__ import annotations
 import functools
 import json
 
-import gpt2_ref
-import moe_ref
 import numpy as np
 import pytest
+
+from toy_testsupport import gpt2_ref, moe_ref
 
 SHAPES = sorted(moe_ref.SHAPES)
 N_GEN = 16

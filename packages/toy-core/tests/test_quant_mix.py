@@ -56,7 +56,8 @@ import json
 from pathlib import Path
 
 import pytest
-from llamacpp_parity import sha256_file as sha256
+
+from toy_testsupport.llamacpp_parity import sha256_file as sha256
 
 HERE = Path(__file__).resolve().parent
 FIXTURE = HERE / "fixtures" / "quant_mix_llamacpp.json"
@@ -112,14 +113,14 @@ def make_input(name: str, work: Path, smollm2: Path | None = None) -> Path:
     if helper in ("moe_ref", "gemma_ref", "gpt2_ref"):
         import importlib
 
-        mod = importlib.import_module(helper)
+        mod = importlib.import_module(f"toy_testsupport.{helper}")  # the fixture names the helper module
         return mod.gguf_path(rec["shape"], rec["seed"], rec["outtype"])
     work.mkdir(parents=True, exist_ok=True)
     out = work / f"{name}.gguf"
     if out.is_file():
         return out
     if helper == "toy_test_models.write_tiny_model":
-        import toy_test_models
+        from toy_testsupport import toy_test_models
 
         return toy_test_models.write_tiny_model(out, **rec["kwargs"])
     if helper == "smollm2":
@@ -257,10 +258,9 @@ def test_the_inputs_reach_the_rules():
 
 
 def test_refused_mixes_name_what_toy_writes(tmp_path):
-    import toy_test_models
-
     from toy.gguf import quantize_model
     from toy.gguf.convert import SUPPORTED_TARGETS
+    from toy_testsupport import toy_test_models
 
     src = toy_test_models.write_tiny_model(tmp_path / "src.gguf")
     for name in ("Q4_K_S", "q3_k_l", "Q5_K_S", "Q3_K_S", "Q2_K_S"):

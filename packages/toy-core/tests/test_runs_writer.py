@@ -1,4 +1,4 @@
-"""RunWriter: the bundle layout and the toy/v1 event rules (DESIGN.md section 5)."""
+"""RunWriter: the bundle layout and the toy/v1 event rules (docs/concepts/architecture.md, "Runs")."""
 
 from __future__ import annotations
 

@@ -16,11 +16,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
-import toy_test_models as mp  # registered by the root conftest.py
 
 from toy import store
 from toy.errors import ToyError
 from toy.store import FetchError, Root, UnknownModelError
+from toy_testsupport import toy_test_models as mp
 
 ENTRY = store.REGISTRY["smollm2-135m"]
 

@@ -1,5 +1,5 @@
-"""The PyTorch training reference (tests/torch_llama.py) checked on its own:
-its forward against the NumPy float64 reference (toy.reference.llama_np) on
+"""The PyTorch training reference (toy_testsupport/torch_llama.py) checked on its own:
+its forward against the NumPy float64 reference (toy_testsupport.reference.llama_np) on
 tiny models of every unscaled-RoPE variant, its autograd gradients against
 central finite differences, block-causal packing against separate rows, and
 its AdamW wrapper against the update written out in NumPy."""
@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch_llama  # registered by the root conftest.py
-from tiny_llama import ROPE_VARIANTS, VARIANTS, write_tiny
 
 from toy.gguf import GGUFFile
 from toy.models.llama import LlamaConfig
-from toy.reference import llama_np
+from toy_testsupport import torch_llama
+from toy_testsupport.reference import llama_np
+from toy_testsupport.tiny_llama import ROPE_VARIANTS, VARIANTS, write_tiny
 
 PLAIN_VARIANTS = [n for n in VARIANTS if n not in ROPE_VARIANTS]
 V = 64  # tiny_llama's vocabulary

@@ -1,6 +1,6 @@
-"""Training data: corpus reading, the token cache, packing, batches.
+"""Training data: corpus reading (``toy.corpus``), the token cache, packing, batches.
 
-Expected values are worked out independently of ``toy.train.data``: by hand
+Expected values are worked out independently of ``toy.corpus`` and ``toy.train.data``: by hand
 for the hand-built token arrays (each test spells out the windows), with
 ``Tokenizer.encode`` per document for the token cache, with the documented
 ``default_rng([seed, epoch]).permutation`` for the batch order, and with the
@@ -17,17 +17,16 @@ import random
 import numpy as np
 import pytest
 
+from toy import corpus
+from toy.corpus import iter_chunks, iter_documents
+from toy.errors import DataError
 from toy.models.common import block_causal_mask
 from toy.tokenizer import Tokenizer
-from toy.train import data as D
 from toy.train.bpe import train_bpe
 from toy.train.data import (
     BatchStream,
-    DataError,
     PackedData,
     TokenCache,
-    iter_chunks,
-    iter_documents,
     unigram_entropy,
     validation_batches,
 )
@@ -153,7 +152,7 @@ def test_chunk_cuts_do_not_change_tokens(tmp_path, bpe_meta, monkeypatch, pre):
     def no_fallback(buf):
         raise AssertionError("the fallback cut was used")
 
-    monkeypatch.setattr(D, "_fallback_cut", no_fallback)
+    monkeypatch.setattr(corpus, "_fallback_cut", no_fallback)
     rng = random.Random(pre)
     for i in range(20):
         text = random_text(rng, 40)

@@ -1,6 +1,6 @@
 """The training step engine against an independent PyTorch float64 reference.
 
-Reference: ``torch_llama`` (tests/torch_llama.py), written from the math
+Reference: ``torch_llama`` (toy_testsupport/torch_llama.py), written from the math
 with torch autograd, ``torch.optim.AdamW`` and ``clip_grad_norm_``. Inputs
 are tiny random llama-family models (``tiny_llama`` variants) and hand-made
 batches with packed documents (block-causal attention, positions restarting
@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch_llama
-from tiny_llama import VARIANTS, write_tiny
-from train_helpers import Batch, assert_grads_close, packed_batch
 
 from toy.gguf import GGUFFile
 from toy.models.llama import LlamaConfig
-from toy.reference.llama_np import load_weights
-from toy.train.engine import TrainEngine, profile_summary
 from toy.train.model import ArchTrain, init_params
 from toy.train.optim import OptimConfig
+from toy.train.stepgraph import TrainEngine, profile_summary
+from toy_testsupport import torch_llama
+from toy_testsupport.reference.llama_np import load_weights
+from toy_testsupport.tiny_llama import VARIANTS, write_tiny
+from toy_testsupport.train_helpers import Batch, assert_grads_close, packed_batch
 
 GRAD_VARIANTS = ["gqa_untied", "mha_tied", "gqa_4to1", "qwen2_bias_neox", "qwen3_qknorm_neox", "partial_rope_normal"]
 

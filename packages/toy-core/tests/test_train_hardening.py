@@ -25,14 +25,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from train_helpers import python_docs_corpus  # registered by the root conftest.py
 
 from toy.errors import BadInputError, ToyError
 from toy.gguf import GGUFFile, GGUFWriter
 from toy.gguf.writer import copy_metadata
 from toy.train import checkpoint
 from toy.train import config as C
-from toy.train.loop import Hooks, resume, train
+from toy.train.lmrun import Hooks, resume, train
+from toy_testsupport.train_helpers import python_docs_corpus
 
 SMALL = {
     "model.preset": None,
@@ -109,7 +109,7 @@ def flip_byte(path: Path, offset: int) -> None:
 KILLED_CHILD = """
 import os, signal, sys
 from toy.train import config as C
-from toy.train.loop import train
+from toy.train.lmrun import train
 
 real_fsync = os.fsync
 

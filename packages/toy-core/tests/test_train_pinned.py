@@ -25,12 +25,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from llamacpp_parity import weights_sha256  # as tools/fixtures/record_train.py computes it
 
 import toy_ggml
 from toy.train import config as C
-from toy.train.corpus import write_python_docs
-from toy.train.loop import train
+from toy.train.demodata import write_python_docs
+from toy.train.lmrun import train
+from toy_testsupport.llamacpp_parity import weights_sha256  # as tools/fixtures/record_train.py computes it
 
 FIX = json.loads((Path(__file__).parent / "fixtures" / "train_runs.json").read_text())
 # the runs were recorded on the AVX2 CPU variant (the default on AVX2 machines, the second pass of

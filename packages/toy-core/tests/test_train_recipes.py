@@ -16,16 +16,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import train_helpers as th
-from gpt2_ref import sha256 as sha
-from train_helpers import RECIPE_WORDS as WORDS
-from train_helpers import StopAt, events, run_and_resume, step_losses
 
+from toy.adapters import load_adapter
 from toy.errors import BadInputError
 from toy.gguf import GGUFFile, quantize_model
-from toy.train.adapter import load_adapter
 from toy.train.config import defaults, override
-from toy.train.loop import Hooks, resume, train
+from toy.train.lmrun import Hooks, resume, train
+from toy_testsupport import train_helpers as th
+from toy_testsupport.gpt2_ref import sha256 as sha
+from toy_testsupport.train_helpers import RECIPE_WORDS as WORDS
+from toy_testsupport.train_helpers import StopAt, events, run_and_resume, step_losses
 
 
 @pytest.fixture(scope="module")

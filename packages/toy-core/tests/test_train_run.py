@@ -1,7 +1,7 @@
 """Training runs end to end: events, checkpoints, exact resume, stopping,
 the independent ``gguf`` reader, ``toy infer`` on a checkpoint, config errors.
 
-The corpus is Python's own documentation topics (``toy.train.corpus``), so
+The corpus is Python's own documentation topics (``toy.train.demodata``), so
 the runs train on real English text without downloading anything. Most runs
 use a very small model shape so each takes a few seconds.
 """
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from train_helpers import python_docs_corpus  # registered by the root conftest.py
 
 from toy.train import checkpoint
 from toy.train import config as C
-from toy.train.loop import Hooks, TrainingIOError, resume, train
+from toy.train.lmrun import Hooks, TrainingIOError, resume, train
+from toy_testsupport.train_helpers import python_docs_corpus
 
 SMALL = {
     "model.preset": None,
@@ -203,7 +203,7 @@ def test_checkpoint_generates_through_toy_load(corpus, tmp_path):
         got = m.logits(ids)[-1]
         from toy.gguf import GGUFFile
         from toy.models.llama import LlamaConfig
-        from toy.reference.llama_np import forward_logits
+        from toy_testsupport.reference.llama_np import forward_logits
 
         with GGUFFile(ck.model_path) as gf:
             cfg = LlamaConfig.from_gguf(gf)
@@ -255,6 +255,22 @@ def test_config_file_validation(tmp_path):
             C.load_toml(p)
     with pytest.raises(C.ConfigError, match="cannot read"):
         C.load_toml(tmp_path / "missing.toml")
+
+
+def test_an_architectures_shape_check_names_the_key(tmp_path):
+    """The architectures' own checks raise toy.errors.ConfigError (re-exported by toy.train.config) with the
+    offending key as its field."""
+    p = tmp_path / "c.toml"
+    bad = {
+        "[model]\npreset = 'tiny'\nhead_dim = 7\n": ("must be even", "model.head_dim"),
+        "[model]\narch = 'gpt2'\npreset = 'tiny'\nn_head_kv = 2\n": ("one K/V head per head", "model.n_head_kv"),
+        "[model]\narch = 'gpt2'\npreset = 'tiny'\nhead_dim = 8\n": ("d_model / n_head", "model.head_dim"),
+    }
+    for text, (match, field) in bad.items():
+        p.write_text(text)
+        with pytest.raises(C.ConfigError, match=match) as e:
+            C.load_toml(p)
+        assert e.value.field == field
 
 
 def test_schedules():

@@ -1,4 +1,4 @@
-"""Resuming dispatches on the checkpoint's task (``toy.train.loop.resume``):
+"""Resuming dispatches on the checkpoint's task (``toy.train.lmrun.resume``):
 a run whose state names a task no installed package trains is refused with
 the task's name, and the run's lock is released (a second try gives the
 same error, not "in use")."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from toy.gguf import GGUFWriter
-from toy.train import checkpoint, loop
+from toy.train import checkpoint, lmrun
 
 
 def _checkpoint(run_dir, task: str):
@@ -38,9 +38,9 @@ def test_unknown_task_is_refused_with_its_name(tmp_path):
     _checkpoint(run, "no-such-task")
     for _ in range(2):  # the lock is released after the refusal
         with pytest.raises(checkpoint.CheckpointError, match="no installed package trains 'no-such-task' runs"):
-            loop.resume(run)
+            lmrun.resume(run)
 
 
 def test_a_missing_run_folder_is_refused(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="no such run folder"):
-        loop.resume(tmp_path / "nope")
+        lmrun.resume(tmp_path / "nope")

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import toy_test_models as mp  # registered by the root conftest.py
 
 from toy.engine.llm import LLMEngine
 from toy.gguf import GGUFFile
 from toy.gguf.convert import parse_target, quantize_model
-from toy.reference import llama_np
-from toy.reference.full import FullModel
+from toy_testsupport import toy_test_models as mp
+from toy_testsupport.reference import llama_np
+from toy_testsupport.reference.full import FullModel
 
 # relative L2 error of the logits against the float64 reference on the
 # dequantized weights: F32 is float rounding only; F16/BF16 products round

@@ -156,7 +156,7 @@ def counting_lines(n: int) -> list[str]:
 
 def _train(values: dict):
     from toy.train import config as C
-    from toy.train.loop import train
+    from toy.train.lmrun import train
 
     recipe = values.pop("recipe", "from-scratch")
     res = train(C.override(C.defaults(recipe), **values))
@@ -169,8 +169,8 @@ def _random_adapter(base: Path, out: Path, seed: int) -> Path:
     (it moves the logits by 5-8 % of their range: far beyond the tolerances,
     while the model stays one whose Q8_0 rounding is like its base's)."""
     from toy import models
+    from toy.adapters import save_adapter
     from toy.gguf import GGUFFile
-    from toy.train.adapter import save_adapter
 
     with GGUFFile(base) as gf:
         cfg = models.config_from_gguf(gf)
@@ -194,7 +194,7 @@ def _random_adapter(base: Path, out: Path, seed: int) -> Path:
 def files(tmp_path_factory) -> dict[str, Path]:
     """kind -> path: ``<arch>-<model kind>``, ``<arch>-adapter`` and ``llama-lora-run``."""
     from toy.gguf import quantize_model
-    from toy.train.merge import merge_adapters
+    from toy.merge import merge_adapters
 
     d = tmp_path_factory.mktemp("written")
     lines = counting_lines(1500)

@@ -19,8 +19,8 @@
 - ``serve_settings``: ``Settings`` for the SmolLM2 file with the run bundles
   in a temporary folder (keyword arguments override fields).
 
-A generated model file (test_serve_gpt2.py, test_serve_gemma.py,
-test_serve_moe.py: the reference helpers' converted files) is served by
+A generated model file (test_serve_conformance.py, test_serve_gpt2.py,
+test_serve_gemma.py, test_serve_moe.py: the reference helpers' files) is served by
 ``file_*`` fixtures over the test module's own ``file_path`` fixture (which
 may be parametrized over files), per module:
 
@@ -32,7 +32,8 @@ may be parametrized over files), per module:
   temporary folder), ``file_client`` its ``openai`` client, ``file_alias``
   the model name it serves (the file's stem).
 
-Their checks are in ``serve_helpers`` (registered by the root conftest.py).
+Their checks are in ``toy_testsupport.serve_helpers``; test_serve_conformance.py
+runs them over every architecture's files.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def _toy() -> str:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    import toy_test_models
+    from toy_testsupport import toy_test_models
 
     path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
     return toy_test_models.write_tiny_model(path, extra_metadata={"tokenizer.ggml.merges": []})

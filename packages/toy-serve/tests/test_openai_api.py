@@ -47,9 +47,13 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from serve_helpers import assert_chat_stream_equals_non_stream, assert_concurrent_equal_alone, completion_tokens
 
 from toy.engine.sampling import log_softmax
+from toy_testsupport.serve_helpers import (
+    assert_chat_stream_equals_non_stream,
+    assert_concurrent_equal_alone,
+    completion_tokens,
+)
 
 pytestmark = pytest.mark.model
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from train_helpers import seeded_adapter
+
+from toy_testsupport.train_helpers import seeded_adapter
 
 pytestmark = pytest.mark.model
 

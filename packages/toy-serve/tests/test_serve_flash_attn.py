@@ -17,7 +17,8 @@ What is checked, and against what:
 from __future__ import annotations
 
 import pytest
-from serve_helpers import assert_concurrent_equal_alone
+
+from toy_testsupport.serve_helpers import assert_concurrent_equal_alone
 
 pytestmark = pytest.mark.model
 

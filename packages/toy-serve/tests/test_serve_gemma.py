@@ -1,7 +1,7 @@
 """``toy serve`` on Gemma 2 and Gemma 3: a LIVE server (``create_app`` under
 uvicorn, the conftest's ``serving``) over ``gemma_ref``'s seeded random
 Hugging Face Gemmas converted by llama.cpp's ``convert_hf_to_gguf.py``
-(packages/toy-core/tests/gemma_ref.py): gemma2-tiny (sliding window 8 on
+(tests/support/src/toy_testsupport/gemma_ref.py): gemma2-tiny (sliding window 8 on
 layers 0 and 2, attention and logit soft-caps 8 and 4, tied head) and
 gemma3-tiny-untied (QK-norm, six sliding layers of seven, linear RoPE
 scaling on the global one, untied head, logit soft-cap 4), each with a
@@ -10,25 +10,27 @@ SentencePiece tokenizer and Gemma 2's chat template.
 The model is loaded the way the server loads one (``n_slot=4``,
 ``exact_batching``), as the SmolLM2 and GPT-2 serve tests do, and queried
 with the official ``openai`` client, greedy (``temperature=0``).
-Expectations:
+Completions (the library's, streamed as sent plain, eight at once on four
+slots as each alone) are test_serve_conformance.py's, on these files and
+every other architecture's, with this module's prompts
+(``serve_helpers.GEMMA_PROMPTS``). Expectations here:
 
-- completions and chat completions: the library, ``toy.Model.generate`` on
-  a second copy of the file (``n_slot=1``, slot 0, no worker, no HTTP):
-  text, finish reason and token counts equal; chat prompts are the
-  template's rendering (``Model.prompt_ids``), ``<start_of_turn>model``
-  and all. Prompts run from 4 to about 40 tokens, most past the window;
-- streams: the same request without ``stream`` (text, finish reason, usage);
-- concurrency: eight requests at once on four slots (streams interleaved in
-  one decode batch, the rest queued), half of them longer than the window,
-  give the text each gives sent alone (batch invariance: the engine decodes
-  bit-exactly whatever else is batched, every layer's own window and cap
-  included);
+- the prompts run from 4 to about 40 tokens, most past the window;
+- chat completions: the library, ``toy.Model.generate`` on a second copy of
+  the file (``n_slot=1``, slot 0, no worker, no HTTP): text, finish reason
+  and token counts equal; chat prompts are the template's rendering
+  (``Model.prompt_ids``), ``<start_of_turn>model`` and all;
+- a chat stream: the same request without ``stream`` (text, finish reason,
+  usage);
+- concurrency: chats sent at once give the text each gives sent alone
+  (batch invariance: the engine decodes bit-exactly whatever else is
+  batched, every layer's own window and cap included);
 - a system message, which Gemma 2's template refuses: a 400 with the
   template's reason, and the server goes on serving.
 
 No ``model`` marker: the files are generated (cached by ``gemma_ref``).
-Fixtures: the conftest's ``file_*`` over this module's ``file_path``; most
-checks are ``serve_helpers``' (shared with the MoE and GPT-2 serve tests).
+Fixtures: the conftest's ``file_*`` over this module's ``file_path``; the
+chat stream check is ``serve_helpers``'.
 """
 
 from __future__ import annotations
@@ -36,18 +38,15 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import gemma_ref
 import openai
 import pytest
-import serve_helpers as sh
+
+from toy_testsupport import gemma_ref
+from toy_testsupport import serve_helpers as sh
 
 N = 12
 WINDOW = 8
-PROMPTS = [
-    *sh.PROMPTS,
-    "Gemma",
-    "Attention lets every position look at the positions before it, within a sliding window of",
-]
+PROMPTS = sh.GEMMA_PROMPTS
 CHATS = [
     [{"role": "user", "content": "Hi"}],
     [{"role": "user", "content": "What is the capital of Italy? Answer in one word, please."}],
@@ -70,15 +69,6 @@ def test_prompts_reach_past_the_window(file_ref):
     assert all(len(file_ref.prompt_ids(m)) > WINDOW for m in CHATS)
 
 
-def test_models_card(file_live, file_alias, file_ctx):
-    sh.assert_models_card(file_live, file_alias, file_ctx)
-
-
-@pytest.mark.parametrize("prompt", PROMPTS[:4])
-def test_greedy_completion_equals_library(file_client, file_alias, file_ref, prompt):
-    sh.assert_completion_equals_library(file_client, file_alias, file_ref, prompt, N)
-
-
 @pytest.mark.parametrize("i", range(len(CHATS)))
 def test_greedy_chat_equals_library(file_client, file_alias, file_ref, i):
     messages = CHATS[i]
@@ -94,22 +84,10 @@ def test_greedy_chat_equals_library(file_client, file_alias, file_ref, i):
     assert r.usage.completion_tokens == sh.completion_tokens(want)
 
 
-def test_completion_stream_equals_non_stream(file_client, file_alias):
-    sh.assert_completion_stream_equals_non_stream(
-        file_client, "length", model=file_alias, prompt=PROMPTS[3], max_tokens=N, temperature=0,
-        extra_body={"ignore_eos": True},
-    )  # fmt: skip
-
-
 def test_chat_stream_equals_non_stream(file_client, file_alias):
     sh.assert_chat_stream_equals_non_stream(
         file_client, model=file_alias, messages=CHATS[2], max_tokens=N, temperature=0
     )
-
-
-def test_concurrent_requests_equal_sequential(file_live, file_client, file_alias):
-    kw = dict(model=file_alias, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
-    sh.assert_concurrent_equal_alone(file_live, file_client, PROMPTS, kw)
 
 
 def test_concurrent_chats_equal_sequential(file_live, file_client, file_alias):

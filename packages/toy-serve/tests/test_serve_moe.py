@@ -1,54 +1,47 @@
-"""``toy serve`` on mixture-of-experts files: a LIVE server (``create_app``
-under uvicorn, the conftest's ``serving``) over ``moe_ref``'s seeded random
+"""``toy serve`` on mixture-of-experts files: what the live-server tests
+(test_serve_conformance.py) rely on about ``moe_ref``'s seeded random
 Hugging Face models (8 experts, top-2) converted by llama.cpp's
-``convert_hf_to_gguf.py`` (packages/toy-core/tests/moe_ref.py):
+``convert_hf_to_gguf.py`` (tests/support/src/toy_testsupport/moe_ref.py):
 qwen2moe-tiny in F32 (a shared expert), qwen3moe-tiny in Q8_0 (renormalised
 expert weights; experts Q8_0) and the 256-wide qwen2moe-k quantized by toy's
 ``quantize_model(..., "Q4_K_M")`` (K-quant experts), each with GPT-2's
 tokenizer (no chat template, no BOS).
 
-The model is loaded the way the server loads one (``exact_batching``), with
-8 slots so that eight requests decode in one batch, and queried with the
-official ``openai`` client, greedy (``temperature=0``). Expectations:
+test_serve_conformance.py serves these files as the server loads one
+(``exact_batching``, 8 slots so that eight requests decode in one batch),
+with ``serve_helpers.MOE_PROMPTS``: completions equal the library's, streams
+equal the same request sent plain, and eight requests at once, streamed and
+plain, give the text each gives sent alone and differ from prompt to prompt:
+batch invariance of the routed feed-forward, whose expert products
+(``mul_mat_id``) run over the whole batch, whatever experts the other
+sequences pick (toy-ggml patch 0015 keeps K-quant expert products
+row-invariant). Expectations here, on the library copy of each file
+(the conftest's ``file_ref``, over ``file_path`` below):
 
-- completions: the library, ``toy.Model.generate`` on a second copy of the
-  file (``n_slot=1``, slot 0, no worker, no HTTP): text, finish reason and
-  token counts equal;
-- streams: the same request without ``stream`` (text, finish reason, usage);
-- concurrency: eight requests at once, streamed and plain, give the text
-  each gives sent alone: batch invariance of the routed feed-forward, whose
-  expert products (``mul_mat_id``) run over the whole batch, whatever
-  experts the other sequences pick (the prompts' tokens pick different
-  experts: ``test_the_prompts_route_to_different_experts``; toy-ggml patch
-  0015 keeps K-quant expert products row-invariant).
+- the file is a mixture of experts (8, top-2) with the expert types of
+  its outtype;
+- the prompts' tokens pick different experts (so a decode batch of them
+  mixes expert choices).
 
 No ``model`` marker: the files are generated (cached by ``moe_ref``).
-The live server and the library copy are the conftest's ``file_*``
-fixtures (over ``file_path`` below, with ``file_slots`` 8).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import moe_ref
 import pytest
-import serve_helpers as sh
 
-N = 12
-N_SLOT = 8
-PROMPTS = [*sh.PROMPTS, "Experts", "A router sends every token to two of its eight experts, and the experts"]
+from toy_testsupport import moe_ref
+from toy_testsupport import serve_helpers as sh
+
+PROMPTS = sh.MOE_PROMPTS
 FILES = [("qwen2moe-tiny", "f32"), ("qwen3moe-tiny", "q8_0"), ("qwen2moe-k", "q4_k_m")]
 
 
 @pytest.fixture(scope="module", params=FILES, ids=lambda p: f"{p[0]}-{p[1]}")
 def file_path(request) -> Path:
     return moe_ref.gguf_path(request.param[0], 0, request.param[1])
-
-
-@pytest.fixture(scope="module")
-def file_slots() -> int:
-    return N_SLOT
 
 
 def test_the_file_is_a_mixture_of_experts(file_ref, file_path):
@@ -72,7 +65,7 @@ def test_the_prompts_route_to_different_experts(file_ref, file_path):
     (measured: 6 or 7 different pairs, 7 or 8 of the experts in all)."""
     import toy_ggml
     from toy.models import moe
-    from toy.reference.full import FullModel
+    from toy_testsupport.reference.full import FullModel
 
     picks = []
     orig = moe.ffn
@@ -100,27 +93,3 @@ def test_the_prompts_route_to_different_experts(file_ref, file_path):
         rt.close()
     assert len(set(sets)) >= 4, sets
     assert len(set().union(*sets)) >= 6, sets
-
-
-def test_models_card(file_live, file_alias, file_ctx):
-    sh.assert_models_card(file_live, file_alias, file_ctx)
-
-
-@pytest.mark.parametrize("prompt", PROMPTS[:4])
-def test_greedy_completion_equals_library(file_client, file_alias, file_ref, prompt):
-    sh.assert_completion_equals_library(file_client, file_alias, file_ref, prompt, N)
-
-
-def test_completion_stream_equals_non_stream(file_client, file_alias):
-    sh.assert_completion_stream_equals_non_stream(
-        file_client, "length", model=file_alias, prompt=PROMPTS[3], max_tokens=N, temperature=0,
-        extra_body={"ignore_eos": True},
-    )  # fmt: skip
-
-
-def test_concurrent_requests_equal_solo(file_live, file_client, file_alias, file_ref):
-    kw = dict(model=file_alias, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
-    alone = sh.assert_concurrent_equal_alone(file_live, file_client, PROMPTS, kw)
-    # solo through the server is the library's
-    assert alone == [file_ref.generate(p, temperature=0, max_tokens=16, ignore_eos=True).text for p in PROMPTS]
-    assert len(set(alone)) == len(PROMPTS) and all(alone)

@@ -57,7 +57,7 @@ from pathlib import Path
 
 THIS = Path(__file__).resolve()
 ROOT = THIS.parents[3]
-sys.path.insert(0, str(ROOT / "packages" / "toy-core" / "benchmarks"))  # bench_side, test_bench_train
+sys.path.insert(0, str(ROOT / "packages" / "toy-core" / "benchmarks"))  # test_bench_train
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -195,8 +195,8 @@ class ToyTrain:
         from test_bench_train import _Timed
 
         import toy_ggml
-        from toy.train.engine import TrainEngine
         from toy.train.optim import OptimConfig
+        from toy.train.stepgraph import TrainEngine
         from toy_vit.gguf_io import read_gguf
         from toy_vit.train import ViTTrainModel
 
@@ -340,7 +340,7 @@ def side_main(argv: list[str]) -> None:
     else:
         import toy_ggml  # noqa: F401
         import toy_vit  # noqa: F401
-        from toy.train.engine import TrainEngine  # noqa: F401
+        from toy.train.stepgraph import TrainEngine  # noqa: F401
 
     rss_start = proc_status_bytes("VmRSS")
     cfg = vit_config(args.preset)

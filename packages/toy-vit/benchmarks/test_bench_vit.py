@@ -65,7 +65,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from bench_side import Side, alternate
+
+from toy_testsupport.bench_side import Side, alternate
 
 pytestmark = pytest.mark.bench
 

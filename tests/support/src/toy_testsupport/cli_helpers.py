@@ -1,5 +1,5 @@
-"""Helpers shared by the CLI tests (registered under this name by the root
-conftest.py): run ``toy`` in-process, check a clean error, fake a stdin,
+"""Helpers shared by the CLI tests (``from toy_testsupport.cli_helpers import
+run``): run ``toy`` in-process, check a clean error, fake a stdin,
 read `toy describe` rows, compare `toy infer --json` with the library."""
 
 from __future__ import annotations

@@ -1,33 +1,22 @@
-"""Models the benchmarks build once and cache (not shipped; registered by the
-root conftest.py as ``bench_models``): the test-only reference helpers of
-``tests/`` loaded as modules, and the mixture-of-experts benchmark model that
-test_bench_infer.py and test_bench_batch_decode.py share."""
+"""Models the benchmarks build once and cache (test-only): the reference
+helpers (``gpt2_ref``, ``gemma_ref``, ``moe_ref``) by name, and the
+mixture-of-experts benchmark model that test_bench_infer.py and
+test_bench_batch_decode.py share."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
-import sys
 from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
 
 
 def ref_module(name: str):
-    """``tests/<name>.py`` (gpt2_ref, gemma_ref, moe_ref) as a module; gpt2_ref
-    first, which the others import."""
-    if name != "gpt2_ref":
-        ref_module("gpt2_ref")
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, HERE.parent / "tests" / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    """The reference helper ``toy_testsupport.<name>`` (gpt2_ref, gemma_ref, moe_ref)."""
+    return importlib.import_module(f"toy_testsupport.{name}")
 
 
-# an OLMoE-shaped model of about 1B parameters (tests/moe_ref.py fields), seeded random weights
+# an OLMoE-shaped model of about 1B parameters (moe_ref.py fields), seeded random weights
 MOE_SHAPE = {
     "arch": "olmoe",
     "hidden_size": 1024,

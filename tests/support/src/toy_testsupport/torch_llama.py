@@ -1,7 +1,7 @@
 """An independent float64 PyTorch reference for llama-family training (tests only).
 
 Written from the math, not from the ggml graph nor from
-``toy.reference.llama_np`` (whose conventions it shares): GGUF tensor names,
+``toy_testsupport.reference.llama_np`` (whose conventions it shares): GGUF tensor names,
 weights as NumPy arrays in NumPy order (a linear weight ``W`` has shape
 ``(d_out, d_in)`` and maps ``x -> x @ W.T``), the config
 ``toy.models.llama.LlamaConfig``. Covered: grouped-query attention (query
@@ -25,8 +25,7 @@ and its gradient comes from torch autograd in float64.
 ``adamw_step`` runs ``torch.optim.AdamW`` and ``torch.nn.utils.clip_grad_norm_``
 themselves, as an independent reference for an AdamW written elsewhere.
 
-Test modules import it as ``import torch_llama`` (the root conftest.py
-registers this file under that name).
+Test modules import it as ``from toy_testsupport import torch_llama``.
 """
 
 from __future__ import annotations
@@ -37,9 +36,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-# torch is imported on first use, not with this module: the root conftest.py
-# registers (imports) every helper module in each pytest run, and importing
-# torch takes seconds.
+# torch is imported on first use, not with this module: test modules that
+# import this one only for a constant or a helper should not pay for importing
+# torch, which takes seconds.
 torch = None
 
 

@@ -1,7 +1,11 @@
-"""Checks the live-server tests share (test-only helper, registered by the
-root conftest.py as ``serve_helpers``; the fixtures are in conftest.py).
+"""Checks the live-server tests share (test-only helper, imported as
+``from toy_testsupport import serve_helpers``; the fixtures are in
+packages/toy-serve/tests/conftest.py).
 
 - ``PROMPTS``: the prompts the generated-model tests (Gemma, MoE) share;
+  ``GEMMA_PROMPTS`` and ``MOE_PROMPTS``: those and two of each family's
+  own, ``GPT2_PROMPTS`` the GPT-2 tests' (test_serve_conformance.py runs each
+  family's files on its own list, as do the family's modules);
 - ``completion_tokens(gen)``: what the server counts for a library
   ``Generation``;
 - ``assert_models_card``, ``assert_completion_equals_library``,
@@ -26,6 +30,21 @@ PROMPTS = [
     "Once upon a time, there was a little girl who lived in a village near the forest. One day",
     "1, 2, 3,",
     "The weather was cold and windy, so we stayed inside and read books all",
+]
+# a short one and one far past the sliding window of 8
+GEMMA_PROMPTS = [
+    *PROMPTS,
+    "Gemma",
+    "Attention lets every position look at the positions before it, within a sliding window of",
+]
+MOE_PROMPTS = [*PROMPTS, "Experts", "A router sends every token to two of its eight experts, and the experts"]
+GPT2_PROMPTS = [
+    "The capital of France is",
+    "1, 2, 3,",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "Water boils at",
+    "The quick brown fox",
 ]
 
 

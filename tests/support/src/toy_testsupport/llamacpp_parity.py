@@ -1,6 +1,5 @@
-"""What the llama.cpp parity tests share (test-only helper, registered by the
-root conftest.py as ``llamacpp_parity``): file digests, toy's side of a
-greedy comparison and the comparison itself.
+"""What the llama.cpp parity tests share (test-only helper): file digests,
+toy's side of a greedy comparison and the comparison itself.
 
 - ``sha256_file(path)``: a file's sha256 (``gpt2_ref.sha256``, the one of
   tools/fetch_ggml.py); ``weights_sha256(path)``: the sha256 over a GGUF's
@@ -25,10 +24,11 @@ import hashlib
 import json
 from pathlib import Path
 
-import gpt2_ref
 import numpy as np
 import pytest
-from train_helpers import seeded_adapter
+
+from toy_testsupport import gpt2_ref
+from toy_testsupport.train_helpers import seeded_adapter
 
 sha256_file = gpt2_ref.sha256
 

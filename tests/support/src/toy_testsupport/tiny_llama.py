@@ -5,9 +5,8 @@ every config variant of ``toy.models.llama.LlamaConfig`` is a keyword);
 ``VARIANTS`` names the keyword sets the tests run over (one per variant,
 kept small so each test stays fast).
 
-Test modules import it as ``from tiny_llama import write_tiny, VARIANTS``:
-the root conftest.py registers this file under that name (pytest runs with
-``--import-mode=importlib``, so test folders are not on ``sys.path``).
+Test modules import it as ``from toy_testsupport.tiny_llama import
+write_tiny, VARIANTS``.
 """
 
 from __future__ import annotations

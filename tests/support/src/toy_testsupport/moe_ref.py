@@ -33,7 +33,7 @@ forward (``hf_logits``, ``hf_greedy``, ``hf_router_topk``).
   quant_mix.py and ggml version too. toy's Q4_K_M is llama.cpp's Q4_K_M mix,
   tensor for tensor and byte for byte (routers F32, attn_k/attn_v Q8_0 and
   attn_output Q5_K for these 8-expert models, output Q6_K ...;
-  ``tests/test_quant_mix.py`` checks it against llama.cpp's own files).
+  ``packages/toy-core/tests/test_quant_mix.py`` checks it against llama.cpp's own files).
 - ``hf_logits(hf_dir, ids)`` (float32 ``(T, V)``), ``hf_greedy(hf_dir, ids,
   n)``: the HF model in float32, eager attention, one torch thread.
 - ``hf_router_topk(hf_dir, ids)``: per layer and token, the router logits,
@@ -118,8 +118,8 @@ argmaxes), the tie-breaking above. toy's ``q4_k_m`` files loaded too (their
 logits 3.2 to 5.2 from HF's, measured when toy's quantizer wrote Q4_K
 everywhere, routers included; they are now llama.cpp's Q4_K_M mix).
 
-Offline and imported as gemma_ref is (its docstring says how): ``import
-moe_ref`` in tests, gpt2_ref importable or loaded first elsewhere.
+Offline and imported as gemma_ref is (its docstring says how): ``from
+toy_testsupport import moe_ref``.
 """
 
 from __future__ import annotations
@@ -129,8 +129,9 @@ import hashlib
 import os
 from pathlib import Path
 
-import gpt2_ref  # first: it sets HF_HUB_OFFLINE and TRANSFORMERS_OFFLINE
 import numpy as np
+
+from toy_testsupport import gpt2_ref  # sets HF_HUB_OFFLINE and TRANSFORMERS_OFFLINE on import
 
 ROOT = gpt2_ref.ROOT
 N_VOCAB = gpt2_ref.N_VOCAB

@@ -1,6 +1,5 @@
-"""Shared helpers of the training tests (registered by the root conftest.py
-as ``train_helpers``; pytest runs with ``--import-mode=importlib``):
-hand-made packed batches and the gradient comparison of the training-engine
+"""Shared helpers of the training tests
+(``from toy_testsupport.train_helpers import ...``): hand-made packed batches and the gradient comparison of the training-engine
 tests, seeded LoRA adapters, an instruct example's loss spans, and what the
 fine-tuning recipe tests (llama, Gemma, MoE) share: a run's config, its
 events, a run stopped and resumed, the saved optimizer state, the run
@@ -81,8 +80,8 @@ def seeded_adapter(base_path, out_path, *, seed: int, rank: int, alpha: float, t
     ``base_name``, fixed so the bytes do not depend on where the model is).
     The llama.cpp adapter fixtures are recorded on such files."""
     from toy import models
+    from toy.adapters import save_adapter
     from toy.gguf import GGUFFile
-    from toy.train.adapter import save_adapter
 
     with GGUFFile(base_path) as gf:
         cfg = models.config_from_gguf(gf)
@@ -125,7 +124,7 @@ class BoundModel:
 def python_docs_corpus(root, n_small: int) -> dict:
     """The bundled Python-docs corpus written under ``root`` (``all``), its first ``n_small`` files copied to
     ``small``, and a token cache folder: ``{"all", "small", "cache"}`` paths (for the recipe tests)."""
-    from toy.train.corpus import write_python_docs
+    from toy.train.demodata import write_python_docs
 
     paths = write_python_docs(root / "all")
     small = root / "small"
@@ -204,7 +203,7 @@ def run_and_resume(cfg, tmp, stop: int):
     after ``stop`` steps and resumed: both completed."""
     import dataclasses
 
-    from toy.train.loop import Hooks, resume, train
+    from toy.train.lmrun import Hooks, resume, train
 
     straight = train(cfg)
     assert straight.reason == "completed" and straight.final_step == cfg.steps

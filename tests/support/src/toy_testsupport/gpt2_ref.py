@@ -53,9 +53,8 @@ the repository; the folder's name carries a digest of that list).
 Nothing is ever fetched from a model hub: HF_HUB_OFFLINE and
 TRANSFORMERS_OFFLINE are set before transformers is imported.
 
-Test modules load it with ``load_helper("gpt2_ref")`` of
-test_gpt2_reference.py or, once the root conftest.py registers it, as
-``import gpt2_ref``.
+Tests, benchmarks and the recorders in tools/fixtures import it as
+``from toy_testsupport import gpt2_ref``.
 """
 
 from __future__ import annotations
@@ -80,7 +79,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]  # tests/support/src/toy_testsupport/ -> the repository
 N_VOCAB = 50257
 SHAPES = {
     "tiny": {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": 128},
