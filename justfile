@@ -36,10 +36,14 @@ test *args: setup
 test-gpu *args: setup
     {{py}} -m pytest -m gpu {{args}}
 
-# Lint Python code with ruff.
+# Lint Python code with ruff, then type-check every package's src with mypy ([tool.mypy] in pyproject.toml)
+# and check the hand-written stubs of the compiled modules against the built modules (stubtest).
 lint: setup
     {{venv}}/bin/ruff check packages tools tests
     {{venv}}/bin/ruff format --check packages tools tests
+    {{venv}}/bin/mypy
+    {{py}} -m mypy.stubtest --mypy-config-file pyproject.toml --allowlist tools/stubtest-allowlist.txt \
+      toy_ggml._core toy_ggml._build_config toy._native.gguf_scan toy._native.pieces
 
 # Format Python code with ruff.
 fmt: setup

@@ -20,6 +20,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from toy_ggml import _build_config as build_config
 from toy_ggml import _core
@@ -62,7 +63,7 @@ class VariantChoice:
     reason: str
     candidates: tuple[Candidate, ...] = field(default_factory=tuple)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "tag": self.tag,
             "path": self.path,

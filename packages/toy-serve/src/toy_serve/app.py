@@ -135,9 +135,10 @@ def create_app(settings: Settings, model: Any | None = None) -> FastAPI:
                     op.get("responses", {}).pop("422", None)
             for name in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
+        assert app.openapi_schema is not None  # FastAPI.openapi() stores what it builds there
         return app.openapi_schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to change the schema
     return app
 
 

@@ -62,7 +62,7 @@ import os
 import secrets
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -132,7 +132,13 @@ def _raw_response(status: int, reason: str, message: str, code: str | None, extr
     return "\r\n".join(head).encode("latin-1") + body
 
 
-class _Guarded:
+if TYPE_CHECKING:  # for mypy: what _Guarded is mixed into (uvicorn's attributes, super()'s methods)
+    from uvicorn.protocols.http.h11_impl import H11Protocol as _ProtocolBase
+else:
+    _ProtocolBase = object
+
+
+class _Guarded(_ProtocolBase):
     """The timeouts and the cap (see the module docstring), mixed into uvicorn's protocol class.
 
     State per connection: ``_phase`` is "head" (waiting for request headers), "body" (for the body),

@@ -44,6 +44,7 @@ import json
 import re
 import secrets
 import time
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -65,6 +66,8 @@ def error_response(err: APIError) -> JSONResponse:
 class Guard:
     """Request id, auth, body limit, 500s, metrics and the run-bundle request event (see the module doc)."""
 
+    noted_at: float | None
+
     def __init__(self, app: Any, server: Server):
         self.app, self.srv = app, server
         self.refused, self.noted_at = 0, None  # 401s not yet in a note; when the last note was written
@@ -75,10 +78,12 @@ class Guard:
         t0, rid = time.perf_counter(), secrets.token_hex(12)
         path = scope["path"]
         endpoint = path if path in ENDPOINTS else "other"
-        scope["toy.request_id"], scope["toy.stats"], scope["toy.cleanup"] = rid, (stats := {}), (cleanup := [])
+        stats: dict[str, Any] = {}
+        cleanup: list[Callable[[], None]] = []
+        scope["toy.request_id"], scope["toy.stats"], scope["toy.cleanup"] = rid, stats, cleanup
         status = [0]
 
-        async def send_(msg: dict) -> None:
+        async def send_(msg: MutableMapping[str, Any]) -> None:
             if msg["type"] == "http.response.start":
                 status[0] = msg["status"]
                 msg = {**msg, "headers": [*msg.get("headers", []), (b"x-request-id", rid.encode())]}
@@ -243,7 +248,9 @@ class OpenAIErrors:
 def http_protocol(base: type | None = None) -> type:
     """``base`` (default: uvicorn's "auto" choice, httptools when installed, else h11) with ``OpenAIErrors``."""
     if base is None:
-        from uvicorn.protocols.http.auto import AutoHTTPProtocol as base
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+        base = AutoHTTPProtocol
     return type(f"OpenAIErrors{base.__name__}", (OpenAIErrors, base), {})
 
 

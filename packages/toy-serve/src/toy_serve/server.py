@@ -43,6 +43,8 @@ POLL_S = 0.25
 class Server:
     """Everything one app owns: settings, model, worker, metrics, run bundle."""
 
+    error: str | None  # why loading failed (status "error")
+
     def __init__(self, settings: Settings, model: Any | None):
         self.settings, self.model, self.owns_model = settings, model, model is None
         self.metrics = Metrics()
@@ -82,6 +84,7 @@ class Server:
         from toy.runs.writer import RunWriter
 
         m, s = self.model, self.settings
+        assert m is not None  # start() loads the model first
         info = {"path": str(m.path), "alias": s.alias, "n_ctx": m.engine.n_ctx, "n_slot": m.engine.n_slot}
         info.update(n_vocab=m.cfg.n_vocab, d_model=m.cfg.d_model, n_layer=m.cfg.n_layer)
         info["lora"] = [{"path": p, "scale": sc} for p, sc in self.adapters()]

@@ -105,7 +105,7 @@ def _load_weights(folder: Path) -> dict[str, np.ndarray]:
         try:
             from safetensors.numpy import load_file
         except ImportError:
-            load_file = None
+            load_file = None  # type: ignore[assignment]  # safetensors is optional: None reads through torch
         out: dict[str, np.ndarray] = {}
         for f in files:
             if load_file is not None:

@@ -128,7 +128,7 @@ def _visible(name: str) -> bool:
 
 def _scan_class(folder: Path, ignored: list[Path]) -> list[Path]:
     """Image files under ``folder`` (recursively), sorted by relative path."""
-    found = []
+    found: list[Path] = []
     for root, dirs, names in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if _visible(d))
         for n in names:
@@ -527,7 +527,8 @@ class ImageBatchStream:
 
     def next(self) -> ImageBatch:
         n = self.folder.n_train
-        rows, index = [], []
+        rows: list[np.ndarray] = []
+        index: list[int] = []
         while len(rows) < self.batch_size:
             if self._cursor >= n:
                 self._epoch, self._cursor = self._epoch + 1, 0

@@ -117,7 +117,7 @@ def config_from_metadata(metadata: Mapping[str, Any], tensors: Mapping[str, Any]
     a = metadata.get("general.architecture")
     if a != ARCH:
         raise ViTFileError(f"architecture {a!r} is not vit", hint="toy-vit runs ViT classifiers written by toy vit")
-    dims = {f: _whole(metadata, key) for f, key in INT_KEYS.items()}
+    dims: dict[str, Any] = {f: _whole(metadata, key) for f, key in INT_KEYS.items()}  # ViTConfig(**dims)
     eps = metadata.get(EPS_KEY)
     if eps is None:
         raise ViTFileError(f"the vit model lacks metadata key {EPS_KEY!r}")
