@@ -7,7 +7,7 @@ statically and every binding lives here. The source is split into .pxi files
 by concern (handles and tensors, ops, graphs, runtime, quantization); they are
 textually included below and compiled as one module.
 
-Invariants (see DESIGN.md section 3):
+Invariants (see docs/concepts/architecture.md, "The Cython boundary is thin"):
 - every check that would be a GGML_ASSERT (an abort) is done here first and
   raises ValueError / TypeError / GGMLError naming the offending value;
 - handles are owned: close() is idempotent, use after close raises, and an
