@@ -59,8 +59,9 @@ def toy_error(srv: Server, request: Request, exc: ToyError) -> APIError:
         # the error carries its field in toy's names (toy.errors); param_of says what the request calls it
         lp = "top_logprobs" if path == CHAT else "logprobs"
         param = S.param_of(getattr(exc, "field", None), _REQUESTS.get(path), DEFAULT_PARAM.get(path), lp)
-        code = "context_length_exceeded" if isinstance(exc, ContextOverflowError) else None
-        return APIError(400, msg, param=param, code=code)
+        if isinstance(exc, ContextOverflowError):
+            return APIError(400, msg, param=param, code="context_length_exceeded")
+        return APIError(400, msg, param=param)
     rid = request.scope.get("toy.request_id")
     log.error("request %s: %s: %s", rid, type(exc).__name__, exc)
     return internal(msg, rid)
