@@ -242,3 +242,41 @@ def test_the_walk_reports_planted_violations(tmp_path):
         f"{engine}:4: uses toy-ggml's private _core",
         f"{gguf}:9: imports toy_cli (toy-cli), not declared by toy-core",
     ]
+
+
+# -- the architecture page draws the contract ------------------------------------------------------
+
+
+def contract_layers(config: str) -> list[set[str]]:
+    """The layers of ``.importlinter``'s toy-core contract, top first, each a set of module names."""
+    block = config.split("layers =", 1)[1].split("\n")
+    layers: list[set[str]] = []
+    for line in block[1:]:
+        if not line.startswith((" ", "\t")) or not line.strip():
+            break
+        layers.append({m.strip() for m in line.split(":")})
+    return layers
+
+
+def page_layers(page: str) -> list[set[str]]:
+    """The layers the architecture page's diagram shows (its rows ``N  toy.a  toy.b  description``), top first."""
+    section = page.split("## Layers inside toy-core", 1)[1].split("```text", 1)[1].split("```", 1)[0]
+    rows = []
+    for line in section.strip("\n").split("\n"):
+        m = re.match(r"\s*(\d+)\s+(.*)", line)
+        assert m, f"unexpected diagram row {line!r}"
+        rows.append((int(m.group(1)), {w.removeprefix("toy.") for w in m.group(2).split() if w.startswith("toy.")}))
+    assert [n for n, _ in rows] == sorted((n for n, _ in rows), reverse=True), "diagram rows must go top-down"
+    return [mods for _, mods in rows]
+
+
+def test_the_architecture_page_shows_the_contract():
+    page = (ROOT / "docs/concepts/architecture.md").read_text(encoding="utf-8")
+    assert page_layers(page) == contract_layers(CONFIG.read_text(encoding="utf-8"))
+
+
+def test_a_diagram_that_drifts_from_the_contract_is_reported():
+    page = (ROOT / "docs/concepts/architecture.md").read_text(encoding="utf-8")
+    drifted = page.replace(" 3  toy.adapters ", " 3  toy.plugins  ", 1)
+    assert drifted != page
+    assert page_layers(drifted) != contract_layers(CONFIG.read_text(encoding="utf-8"))
