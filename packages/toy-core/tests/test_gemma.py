@@ -25,6 +25,7 @@ global), soft-caps that bite, and an untied gemma3 head.
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -187,3 +188,16 @@ def _cfg(md):
         n_vocab=8, d_model=8, n_layer=1, n_head=2, n_head_kv=2, head_dim=4, d_ff=16, rms_eps=1e-6,
         rope_base=1e4, rope_base_swa=1e4, qk_norm=md["general.architecture"] == "gemma3",
     )  # fmt: skip
+
+
+def test_the_card_of_a_file_without_the_norm_epsilon_shows_the_default():
+    """A file without ``attention.layer_norm_rms_epsilon`` runs with 1e-6 (the config's default); its
+    algorithm card says so instead of failing to format a missing value."""
+    from toy.models.card import algorithm_card, summary_from
+
+    md = _metadata("gemma2", **{"gemma2.vocab_size": 8, "gemma2.context_length": 16})
+    f32 = SimpleNamespace(name="F32")
+    tensors = {n: SimpleNamespace(shape=p.shape, dtype=f32) for n, p in models.get("gemma2").params(_cfg(md)).items()}
+    assert models.config_from_metadata(md, tensors).rms_eps == 1e-6
+    card = algorithm_card(summary_from(md, tensors))
+    assert "RMSNorm(X | γ_1[l]), ε = 1e-06" in card

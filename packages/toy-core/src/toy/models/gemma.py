@@ -62,6 +62,8 @@ from toy.models.common import (
 )
 
 SUPPORTED_ARCHITECTURES = ("gemma2", "gemma3")
+# the RMSNorm epsilon of a file without attention.layer_norm_rms_epsilon (the model runs and the card shows it)
+DEFAULT_RMS_EPS = 1e-6
 
 _LAYER_TENSORS = (
     "attn_norm.weight",
@@ -229,7 +231,7 @@ class GemmaConfig:
             n_head_kv=Hkv,
             head_dim=D,
             d_ff=d_ff,
-            rms_eps=float(num("attention.layer_norm_rms_epsilon", 1e-6)),
+            rms_eps=float(num("attention.layer_norm_rms_epsilon", DEFAULT_RMS_EPS)),
             rope_base=base,
             rope_base_swa=base_swa,
             rope_freq_scale=scale,
@@ -465,7 +467,7 @@ def _card(s) -> str:
     if not e:
         return f"(no algorithm card: toy cannot run this {s.architecture} file; `toy infer` says why)"
     L, d, H, Hkv, dh, dff, V = s.n_layer, s.d_model, s.n_head, s.n_head_kv or s.n_head, s.head_dim, s.d_ff, s.vocab
-    W, eps = e.get("sliding_window") or 0, s.norm_eps
+    W, eps = e.get("sliding_window") or 0, s.norm_eps if s.norm_eps is not None else DEFAULT_RMS_EPS
     title = f" — {s.name}" if s.name else ""
     head = [
         f"Algorithm: P ← {s.architecture}(x | θ), the forward pass of a decoder-only transformer{title}",
