@@ -22,6 +22,14 @@ Decisions:
   whose pages the OS zeroes on first touch; on a device, written once). Cells past a sequence's length
   are masked out of attention; zeros (or a previous sequence's finite values)
   there contribute exact zeros.
+- ``read``/``write`` copy the K/V bytes of a span of positions out of and
+  into a slot in one layout-independent order, (n_layer, 2, n, row_bytes)
+  (a transposed V's channel rows gathered per position), through NumPy views
+  over the CPU mapping (the prefix cache, ``toy.engine.prefix``, and slot
+  files). With exact batching a position's K/V depend only on its context,
+  so bytes copied into another slot are what a prefill there would write.
+  CPU only: on a device they raise ``BadInputError``. A Q8_0 row is whole
+  blocks of 32 values, so a position's row is still contiguous bytes.
 """
 
 from __future__ import annotations
@@ -93,6 +101,11 @@ class KVCache:
             for t, off in zip(tensors, offsets):
                 t.bind(buf, off)
             buf.close()  # the context owns it now (and, through it, ``mem``)
+            # byte views of each layer's K and V over the same memory (``read``/``write``)
+            es = self.k[0].nbytes // (n_slot * n_ctx * self.width)  # bytes per value (F16, F32; not Q8_0)
+            vb_shape = (n_slot, self.width, n_ctx, es) if v_trans else (n_slot, n_ctx, -1)
+            self._kb = [self._bytes_view(mem, off, t, (n_slot, n_ctx, -1)) for t, off in zip(self.k, offsets)]
+            self._vb = [self._bytes_view(mem, off, t, vb_shape) for t, off in zip(self.v, offsets[cfg.n_layer :])]
         else:
             self._ctx.allocate(runtime)
             zeros = None
@@ -100,6 +113,12 @@ class KVCache:
                 zeros = zeros or bytes(t.nbytes)
                 t.set_raw(zeros)
         self._tokens: list[list[int]] = [[] for _ in range(n_slot)]
+        self.device = runtime.device
+
+    @staticmethod
+    def _bytes_view(mem, offset: int, t, shape) -> np.ndarray:
+        """A writable uint8 view of tensor ``t``'s bytes at ``offset`` in ``mem``, reshaped to ``shape``."""
+        return np.frombuffer(mem, np.uint8, count=t.nbytes, offset=offset).reshape(shape)
 
     @property
     def nbytes(self) -> int:
@@ -144,6 +163,71 @@ class KVCache:
         b = np.asarray(ids[:n], np.int64)
         diff = np.flatnonzero(a != b)
         return int(diff[0]) if len(diff) else n
+
+    # -- copying positions out and in (the prefix cache, slot files)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one position's K (or V) in one layer: ``width`` values of ``kv_type``."""
+        return self.k[0].nbytes // (self.n_slot * self.n_ctx)
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one position over every layer, K and V."""
+        return 2 * self.cfg.n_layer * self.row_bytes
+
+    def _host(self, what: str) -> None:
+        if self.device != "CPU":
+            raise BadInputError(
+                f"{what} needs the KV cache in CPU memory (this one is on {self.device})",
+                hint="the prefix cache and slot files are CPU-only for now: run with --device cpu, "
+                "or turn the prefix cache off (--cache-ram 0)",
+            )
+
+    def _span(self, slot: int, start: int, n: int) -> None:
+        self._check(slot)
+        if start < 0 or n < 0 or start + n > self.n_ctx:
+            raise BadInputError(f"positions [{start}, {start + n}) are outside the slot's {self.n_ctx}")
+
+    def read(self, slot: int, start: int, n: int) -> np.ndarray:
+        """A copy of the K and V bytes of positions ``[start, start + n)`` of ``slot``: uint8 of shape
+        (n_layer, 2, n, row_bytes), K then V per layer, each position's ``width`` channels in order. The order
+        does not depend on the layout: a transposed V's strided channel rows are gathered into position rows
+        (the bytes of each value are kept as they are)."""
+        self._host("reading the KV cache")
+        self._span(slot, start, n)
+        L, rb = self.cfg.n_layer, self.row_bytes
+        out = np.empty((L, 2, n, rb), np.uint8)
+        for i in range(L):
+            out[i, 0] = self._kb[i][slot, start : start + n]
+            if self.v_trans:  # (width, n, es): each channel's values at the n positions -> (n, width * es)
+                out[i, 1] = self._vb[i][slot, :, start : start + n].transpose(1, 0, 2).reshape(n, rb)
+            else:
+                out[i, 1] = self._vb[i][slot, start : start + n]
+        return out
+
+    def write(self, slot: int, start: int, data, ids) -> None:
+        """Write K/V bytes in ``read``'s order (shape (n_layer, 2, n, row_bytes)) at positions ``[start, start +
+        n)`` of ``slot`` and record ``ids`` (n of them) there, as ``append`` does after a compute: the slot keeps
+        its first ``start`` tokens (``start`` at most its length) and then holds ``start + n``."""
+        self._host("writing the KV cache")
+        ids = [int(i) for i in ids]
+        n = len(ids)
+        self._span(slot, start, n)
+        if start > len(self._tokens[slot]):
+            raise BadInputError(f"write at {start}: slot {slot} holds only {len(self._tokens[slot])} tokens")
+        L, rb = self.cfg.n_layer, self.row_bytes
+        a = np.asarray(data, np.uint8)
+        if a.shape != (L, 2, n, rb):
+            raise BadInputError(f"KV data of shape {a.shape} does not fit ({L}, 2, {n}, {rb})")
+        self.truncate(slot, start)
+        for i in range(L):
+            self._kb[i][slot, start : start + n] = a[i, 0]
+            if self.v_trans:
+                self._vb[i][slot, :, start : start + n] = a[i, 1].reshape(n, self.width, -1).transpose(1, 0, 2)
+            else:
+                self._vb[i][slot, start : start + n] = a[i, 1]
+        self._tokens[slot].extend(ids)
 
     def close(self) -> None:
         self._ctx.close()
