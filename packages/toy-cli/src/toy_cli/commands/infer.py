@@ -13,6 +13,13 @@ or ``--json-mode`` (any JSON object) constrain the output token by token
 (``toy.engine.constrain``); at most one of them. A file that cannot be read,
 a schema that is not JSON, or one the compiler refuses exits 2 naming it.
 
+``--speculative ngram|draft`` (`toy infer`) decodes speculatively
+(``Model.generate(speculative=...)``, ``toy.engine.speculative``): prompt
+lookup, or a ``--draft-model`` GGUF with the same vocabulary (``--draft-model``
+alone implies ``draft``); ``--draft-max K`` caps the drafts per step. The
+output is the same as without it, token for token; the timings line adds the
+accepted drafts.
+
 ``--lora ADAPTER[:SCALE]`` (repeatable, both commands) applies LoRA adapters
 at inference (``toy.load(..., lora=...)``; several stack). A missing file, a
 scale that is not a number, or an adapter that does not fit the model exits 2
@@ -181,6 +188,8 @@ def _timings_line(g) -> str:
     parts.append(f"{len(g.tokens)} tok generated")
     if t.get("decode_tok_s"):
         parts.append(f"decode {t['decode_tok_s']:.1f} tok/s")
+    if "draft_tokens" in t:
+        parts.append(f"drafts {t['draft_accepted']}/{t['draft_tokens']} accepted")
     parts.append(f"finish: {g.finish_reason}")
     return "; ".join(parts)
 
@@ -267,6 +276,22 @@ def infer(
     flash_attn: Flash = False,
     kv_type: KvType = "f16",
     lora: Lora = None,
+    speculative: Annotated[
+        str,
+        typer.Option(
+            "--speculative",
+            help="Speculative decoding: none, ngram (prompt lookup) or draft (with --draft-model); the output "
+            "is the same token for token, only faster when drafts are accepted.",
+        ),
+    ] = "none",
+    draft_model: Annotated[
+        Path | None,
+        typer.Option("--draft-model", help="A GGUF with this model's vocabulary that drafts (--speculative draft)."),
+    ] = None,
+    draft_max: Annotated[
+        int | None,
+        typer.Option("--draft-max", metavar="K", help="Most draft tokens per step (default: ngram 8, draft 4)."),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (ids, text, timings).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No timings on stderr.")] = False,
 ) -> None:
@@ -295,6 +320,17 @@ def infer(
         raise CLIError("--special-in-content needs --chat", "a plain prompt's control tokens are always parsed", 2)
     if logprobs is not None and not as_json:
         raise CLIError("--logprobs needs --json", "add --json to get each token's logprobs", 2)
+    if draft_model is not None and speculative == "none":
+        speculative = "draft"
+    if speculative not in ("none", "ngram", "draft"):
+        raise CLIError(f"--speculative {speculative!r} is not a kind", "none, ngram or draft", 2)
+    if speculative == "draft" and draft_model is None:
+        raise CLIError("--speculative draft needs --draft-model", "give a GGUF with the same tokenizer", 2)
+    spec: dict | None = None
+    if speculative != "none":
+        spec = {"type": speculative, **({"k": draft_max} if draft_max is not None else {})}
+        if draft_model is not None:
+            spec["model"] = draft_model
     adapters = parse_lora_options(lora)
     m = _load(model, device, threads, ctx, batch, flash_attn, kv_type, adapters)
     try:
@@ -305,7 +341,7 @@ def infer(
                 # the default budget shrinks to fit a small context (e.g. a checkpoint
                 # trained with 128-token windows); an explicit -n is kept as asked
                 params = dataclasses.replace(params, max_tokens=min(params.max_tokens, m.n_ctx - len(ids)))
-            stream = m.stream(ids, params)
+            stream = m.stream(ids, params, speculative=spec)
         with _sigint_flag() as flag:
             for chunk in stream:
                 if not as_json:

@@ -12,12 +12,18 @@ stays in ``toy.train``.
 """
 
 from toy.adapters.apply import (
+    AdapterNameError,
+    SelectableAdapter,
+    adapter_digest,
+    check_adapter_name,
     check_lora,
     load_lora,
+    lora_context,
     lora_items,
     named_items,
     parse_lora_arg,
     read_adapters,
+    read_selectable,
     split_terms,
 )
 from toy.adapters.file import Adapter, AdapterError, load_adapter, lora_alpha_for_file, save_adapter
@@ -25,14 +31,20 @@ from toy.adapters.file import Adapter, AdapterError, load_adapter, lora_alpha_fo
 __all__ = [
     "Adapter",
     "AdapterError",
+    "AdapterNameError",
+    "SelectableAdapter",
+    "adapter_digest",
+    "check_adapter_name",
     "check_lora",
     "load_adapter",
     "load_lora",
     "lora_alpha_for_file",
+    "lora_context",
     "lora_items",
     "named_items",
     "parse_lora_arg",
     "read_adapters",
+    "read_selectable",
     "save_adapter",
     "split_terms",
 ]

@@ -13,8 +13,13 @@ merge`` (``toy.merge``) and the server's ``--lora`` go through here:
 - ``read_adapters``: the adapters read and checked against a base;
 - ``load_lora``: their A/B tensors in one allocated F32 context on a runtime,
   as the term map every engine graph adds ``scale · B (A x)`` from (see
-  ``toy.engine.llm``); ``named_items`` / ``split_terms`` do the same for
-  selectable (named) adapters.
+  ``toy.engine.llm``);
+- selectable (named) adapters, one per engine index, each in its own
+  context so it can be unloaded alone: ``named_items`` (what a caller
+  passes), ``read_selectable`` (read, hash and check: no runtime touched, so
+  a server does it off its engine thread), ``SelectableAdapter.allocate``.
+  Its ``identity`` (sha256 of the file's bytes, or of an in-memory
+  Adapter's values, and the scale) is what K/V computed with it depend on.
 
 Invariants: the base weights are never changed here; a term's scale is the
 file's ``alpha / rank`` (``Adapter.scale``) times the user's; a context this
@@ -23,11 +28,13 @@ module allocates is closed again if anything after its creation fails.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 import os
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -120,6 +127,13 @@ def load_lora(items, gf, runtime: toy_ggml.Runtime):
     if not items:
         return None, None, []
     adapters = read_adapters(items, gf)
+    ctx, terms = lora_context(adapters, runtime)
+    return ctx, terms, [(str(ad.path) if ad.path is not None else None, scale) for ad, scale in adapters]
+
+
+def lora_context(adapters: Sequence[tuple[Adapter, float]], runtime: toy_ggml.Runtime):
+    """The A/B tensors of (Adapter, user scale) pairs in one allocated F32
+    context on ``runtime``: (context, {weight name: [(a, b, scale, None)]})."""
     F32 = toy_ggml.GGMLType.F32
     ctx = toy_ggml.Context(max_tensors=2 * sum(len(ad.pairs) for ad, _ in adapters) + 8)
     try:
@@ -138,7 +152,7 @@ def load_lora(items, gf, runtime: toy_ggml.Runtime):
     except BaseException:
         ctx.close()
         raise
-    return ctx, terms, [(str(ad.path) if ad.path is not None else None, scale) for ad, scale in adapters]
+    return ctx, terms
 
 
 def named_items(adapters) -> list[tuple[str, Any, float]]:
@@ -149,8 +163,7 @@ def named_items(adapters) -> list[tuple[str, Any, float]]:
         raise BadInputError("adapters must map names to adapter files (or (file, scale) pairs)")
     out: list[tuple[str, Any, float]] = []
     for name, item in adapters.items():
-        if not isinstance(name, str) or not _ADAPTER_NAME.fullmatch(name):
-            raise BadInputError(f"adapter name {name!r}: use 1-64 letters, digits, '_', '-' or '.'")
+        check_adapter_name(name)
         ((src, scale),) = lora_items([item])
         out.append((name, src, scale))
     return out
@@ -166,12 +179,98 @@ def split_terms(terms: dict, n: int) -> list[dict]:
     return per
 
 
+class AdapterNameError(BadInputError):
+    """A selectable adapter's name is already taken (or is not a valid name)."""
+
+
+def check_adapter_name(name) -> str:
+    """``name`` if it is a valid selectable adapter name (1-64 letters, digits, '_', '-' or '.'), else BadInputError."""
+    if not isinstance(name, str) or not _ADAPTER_NAME.fullmatch(name):
+        raise BadInputError(f"adapter name {name!r}: use 1-64 letters, digits, '_', '-' or '.'", field="name")
+    return name
+
+
+def adapter_digest(src) -> str:
+    """The hex sha256 of what an adapter's tensors are made from: a file's
+    bytes (the same file gives the same digest in every process), or, for an
+    in-memory ``Adapter``, its architecture, alpha and every pair's name,
+    shapes and F32 values."""
+    h = hashlib.sha256()
+    if isinstance(src, Adapter):
+        h.update(f"adapter:{src.architecture}:{float(src.alpha)!r}".encode())
+        for name in sorted(src.pairs):
+            for m in src.pairs[name]:
+                m = np.ascontiguousarray(m, np.float32)
+                h.update(f"|{name}:{m.shape}|".encode())
+                h.update(m.tobytes())
+        return h.hexdigest()
+    with open(src, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class SelectableAdapter:
+    """One selectable adapter read and checked against a base, with its own
+    F32 context (None until ``allocate``): what ``toy.Model`` keeps per
+    engine index. ``identity`` is what the K/V it computes depends on: the
+    sha256 of its source (``adapter_digest``) and the user scale."""
+
+    name: str
+    path: str | None
+    scale: float
+    digest: str
+    adapter: Adapter | None
+    nbytes: int = 0  # of its A/B tensors (F32)
+    context: toy_ggml.Context | None = None
+    terms: dict | None = None
+
+    @property
+    def identity(self) -> str:
+        return f"{self.digest}:{self.scale!r}"
+
+    def allocate(self, runtime: toy_ggml.Runtime) -> None:
+        """Its A/B tensors on ``runtime`` (once)."""
+        if self.context is None:
+            assert self.adapter is not None
+            self.context, self.terms = lora_context([(self.adapter, self.scale)], runtime)
+            self.adapter = None  # the values now live in the context
+
+    def close(self) -> None:
+        if self.context is not None:
+            self.context.close()
+            self.context = None
+        self.terms = None
+
+
+def read_selectable(name, src, scale, gf) -> SelectableAdapter:
+    """A selectable adapter read from ``src`` (a path or an ``Adapter``) and
+    checked against the open base ``gf`` (``check_lora``): the slow part of
+    loading one, which touches no runtime. AdapterError when it is not an
+    adapter or not for this base."""
+    check_adapter_name(name)
+    ((src, scale),) = lora_items([(src, scale)])
+    digest = adapter_digest(src)
+    ad = src if isinstance(src, Adapter) else load_adapter(src)
+    check_lora(ad, gf)
+    path = str(ad.path) if ad.path is not None else None
+    nbytes = 4 * sum(a.size + b.size for a, b in ad.pairs.values())
+    return SelectableAdapter(name, path, scale, digest, ad, nbytes)
+
+
 __all__ = [
+    "AdapterNameError",
+    "SelectableAdapter",
+    "adapter_digest",
+    "check_adapter_name",
     "check_lora",
     "load_lora",
+    "lora_context",
     "lora_items",
     "named_items",
     "parse_lora_arg",
     "read_adapters",
+    "read_selectable",
     "split_terms",
 ]

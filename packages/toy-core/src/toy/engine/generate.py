@@ -40,6 +40,14 @@ Decisions (written down because nobody else will):
   ``adapter.scale(name) · scale · B (A x)`` to that weight's product (see
   ``toy.engine.llm``). Several adapters stack. The base weights stay as
   they are (mapped, quantized). ``Model.adapters`` lists (path, scale).
+- Selectable adapters (``toy.load(adapters={name: file})``, one per
+  generation: ``adapter=name``) can also be loaded and unloaded while the
+  model is open: ``load_adapter`` / ``unload_adapter`` (on the thread that
+  uses the model; ``prepare_adapter``, safe on any thread, does the slow
+  part: read, hash, check, and on the CPU the tensors). Each has its own
+  context, so any of them (start-up ones too) frees its memory alone, and
+  gives bit for bit what it gives loaded at start-up. ``adapter_identity``
+  names what K/V computed with one depend on (sha256 of the file, scale).
 """
 
 from __future__ import annotations
@@ -54,8 +62,9 @@ import numpy as np
 
 import toy_ggml
 from toy import models, store
-from toy.adapters import load_lora, lora_items, named_items, split_terms
+from toy.adapters import AdapterNameError, SelectableAdapter, load_lora, lora_items, named_items, read_selectable
 from toy.engine import constrain
+from toy.engine import speculative as spec
 from toy.engine.decoding import DecodeState, reuse_prefix
 from toy.engine.llm import ContextOverflowError, LLMEngine
 from toy.engine.sampling import SamplingParams, TokenLogprob
@@ -139,8 +148,7 @@ class Model:
         template,
         lora_context: toy_ggml.Context | None = None,
         adapters: Sequence[tuple[str | None, float]] = (),
-        named: Sequence[tuple[str, str | None, float]] = (),
-        named_context: toy_ggml.Context | None = None,
+        named: Sequence[SelectableAdapter] = (),
     ):
         self.path, self.cfg, self.runtime, self.engine = path, cfg, runtime, engine
         self._gguf, self._weights = gguf, weights
@@ -150,19 +158,100 @@ class Model:
         self._lora_context = lora_context
         #: the LoRA adapters applied, in order: (file path or None for an in-memory Adapter, user scale)
         self.adapters: list[tuple[str | None, float]] = list(adapters)
-        #: the selectable adapters, in engine order: (name, file path or None, user scale)
-        self.named_adapters: list[tuple[str, str | None, float]] = list(named)
-        self._named_context = named_context
+        # the selectable adapters by engine index (None: unloaded, a hole a later load may fill)
+        self._named: list[SelectableAdapter | None] = list(named)
+        #: draft models loaded from a path for speculative decoding (``generate(speculative=...)``), owned
+        self._drafts: dict[str, Model] = {}
+        #: measured seconds of this model's decode/verify steps by row count (the speculation controller's)
+        self.step_costs = spec.StepCosts()
+
+    @property
+    def named_adapters(self) -> list[tuple[str, str | None, float]]:
+        """The selectable adapters loaded, in engine order: (name, file path or None, user scale)."""
+        return [(a.name, a.path, a.scale) for a in self._named if a is not None]
+
+    def selectable_adapters(self) -> dict[str, SelectableAdapter]:
+        """The selectable adapters loaded, by name (engine order)."""
+        return {a.name: a for a in self._named if a is not None}
 
     def adapter_index(self, name: str | None) -> int | None:
         """The engine index of the selectable adapter ``name`` (None for None: the base)."""
         if name is None:
             return None
-        for j, (n, _, _) in enumerate(self.named_adapters):
-            if n == name:
+        for j, a in enumerate(self._named):
+            if a is not None and a.name == name:
                 return j
         known = ", ".join(n for n, _, _ in self.named_adapters) or "none were loaded"
-        raise BadInputError(f"no adapter named {name!r}", hint=f"adapters: {known}")
+        raise BadInputError(f"no adapter named {name!r}", hint=f"adapters: {known}", field="adapter")
+
+    def adapter_identity(self, index: int | None) -> str:
+        """What K/V computed with engine adapter ``index`` depend on: "" for
+        the base (None); for a selectable adapter the sha256 of its file's bytes
+        (of an in-memory Adapter's values) and its scale, as "<hex>:<scale>".
+        Equal identities give equal bits, in any process."""
+        if index is None:
+            return ""
+        a = self._named[index] if 0 <= index < len(self._named) else None
+        if a is None:
+            raise BadInputError(f"no selectable adapter at index {index}")
+        return a.identity
+
+    # -- selectable adapters at run time
+
+    def prepare_adapter(self, name: str, adapter, scale: float = 1.0) -> SelectableAdapter:
+        """The slow, engine-free part of ``load_adapter``: read ``adapter`` (a
+        path or a ``toy.adapters.Adapter``), hash it, check it against this
+        model (``AdapterError`` naming the mismatch) and, on the CPU, put its
+        tensors on the runtime. Safe on any thread; ``attach_adapter`` then
+        makes it selectable. ``AdapterNameError`` when ``name`` is taken."""
+        self._check_free(name)
+        prepared = read_selectable(name, adapter, scale, self._gguf)
+        if self.runtime.device == "CPU":  # host memory: no device queue shared with the engine's thread
+            prepared.allocate(self.runtime)
+        return prepared
+
+    def attach_adapter(self, prepared: SelectableAdapter) -> int:
+        """Make a ``prepare_adapter`` result selectable under its name; returns
+        its engine index (the first one an unloaded adapter left, or a new
+        one). Call between steps on the thread that uses the engine. On error
+        the prepared adapter is closed."""
+        try:
+            self._check_free(prepared.name)
+            prepared.allocate(self.runtime)
+            j = self.engine.add_adapter(prepared.terms or {})
+        except BaseException:
+            prepared.close()
+            raise
+        if j == len(self._named):
+            self._named.append(prepared)
+        else:
+            self._named[j] = prepared
+        return j
+
+    def load_adapter(self, name: str, adapter, scale: float = 1.0) -> int:
+        """Load a selectable adapter while the model is open: ``adapter`` (a
+        path or a ``toy.adapters.Adapter``) at user ``scale``, used by the
+        generations that name it (``generate(..., adapter=name)``), bit for bit
+        as if given to ``toy.load(adapters=...)``. Returns its engine index.
+        Call on the thread that uses the model (a server: its engine worker;
+        ``prepare_adapter`` + ``attach_adapter`` split off the slow part)."""
+        return self.attach_adapter(self.prepare_adapter(name, adapter, scale))
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload the selectable adapter ``name`` and free its memory. Its index
+        stays free for a later load; the other adapters keep theirs. No
+        generation may be using it; call on the thread that uses the model."""
+        j = self.adapter_index(name)
+        assert j is not None
+        a = self._named[j]
+        self.engine.remove_adapter(j)
+        self._named[j] = None
+        if a is not None:
+            a.close()  # after the engine dropped its graphs: they point at these tensors
+
+    def _check_free(self, name: str) -> None:
+        if any(a is not None and a.name == name for a in self._named):
+            raise AdapterNameError(f"an adapter named {name!r} is already loaded", hint="unload it first", field="name")
 
     # -- text <-> ids
 
@@ -235,13 +324,27 @@ class Model:
         cache_prompt: bool = False,
         special_in_content: bool = False,
         adapter: str | None = None,
+        speculative=None,
         **kw,
     ):
         """Generate a continuation: returns a ``Generation``. Sampling options
         come as a ``SamplingParams`` and/or keyword arguments (which win).
-        ``adapter``: a selectable adapter's name (``toy.load(adapters=...)``)."""
+        ``adapter``: a selectable adapter's name (``toy.load(adapters=...)``).
+        ``speculative``: None or "none" (plain decoding), "ngram" or
+        ``{"type": "ngram", "n": 3, "n_min": 1, "k": 8}`` (prompt lookup), or
+        ``{"type": "draft", "model": Model or path, "k": 4}`` (a draft model with
+        this model's vocabulary; a path is loaded once and kept). The output is
+        the same as without it, token for token, greedy or seeded (see
+        ``toy.engine.speculative``); the timings gain ``draft_tokens`` and
+        ``draft_accepted``."""
         stream = self.stream(
-            prompt, sampling, cache_prompt=cache_prompt, special_in_content=special_in_content, adapter=adapter, **kw
+            prompt,
+            sampling,
+            cache_prompt=cache_prompt,
+            special_in_content=special_in_content,
+            adapter=adapter,
+            speculative=speculative,
+            **kw,
         )
         for _ in stream:
             pass
@@ -255,11 +358,13 @@ class Model:
         cache_prompt: bool = False,
         special_in_content: bool = False,
         adapter: str | None = None,
+        speculative=None,
         **kw,
     ) -> Stream:
         """Like ``generate`` but returns a ``Stream`` of text chunks. The prompt
         is checked (tokens, budget) before this returns."""
         params = self._params(sampling, kw)
+        proposer = self._proposer(speculative)
         which = self.adapter_index(adapter)
         ids = self.prompt_ids(prompt, special_in_content)
         need = len(ids) + params.max_tokens
@@ -273,11 +378,42 @@ class Model:
         if params.constraint is not None:  # a schema or grammar that cannot compile fails here, not mid-stream
             constrain.check(params.constraint, self.tokenizer)
         stream = Stream(iter(()))
-        stream._gen = self._run(ids, params, cache_prompt, stream, which)
+        stream._gen = self._run(ids, params, cache_prompt, stream, which, proposer)
         return stream
 
+    def _proposer(self, speculative):
+        """(proposer, SpecConfig) for ``speculative`` (see ``generate``), or None for plain decoding."""
+        cfg = spec.parse_speculative(speculative)
+        if not cfg.on:
+            return None
+        spec.check_engine(self.engine)
+        draft = None
+        if cfg.type == "draft":
+            src = speculative.get("model") if isinstance(speculative, Mapping) else None
+            if src is None:
+                raise BadInputError(
+                    "speculative type 'draft' needs a model",
+                    hint='{"type": "draft", "model": path or Model}',
+                    field="speculative",
+                )
+            if isinstance(src, Model):
+                draft = src
+            else:
+                key = str(src)
+                if key not in self._drafts:
+                    self._drafts[key] = load(src, n_ctx=self.n_ctx, n_slot=1, fetch=False)
+                draft = self._drafts[key]
+            spec.check_vocab(draft, self)
+        return spec.make_proposer(cfg, draft, 0), cfg
+
     def _run(
-        self, ids: list[int], params: SamplingParams, cache_prompt: bool, stream: Stream, which: int | None = None
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        cache_prompt: bool,
+        stream: Stream,
+        which: int | None = None,
+        speculation=None,
     ) -> Iterator[str]:
         # The token step and the prefix rule are the server worker's too (toy.engine.decoding; see
         # docs/concepts/architecture.md): this loop only runs the forwards of slot 0 and collects the result.
@@ -292,28 +428,58 @@ class Model:
         logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         cancelled = False
         timings: dict[str, float] = {"prompt_tokens": len(ids), "prompt_cached": keep}
-        t_decode, n_steps = 0.0, 0
+        t_decode, n_steps, n_forwards = 0.0, 0, 0
+        # speculative decoding (toy.engine.speculative): a proposer drafts, one verify forward checks the drafts,
+        # ``spec.accept`` runs the same token step over its rows; the controller sizes the drafts
+        proposer, ctrl = None, None
+        if speculation is not None:
+            proposer = speculation[0]
+            ctrl = spec.Controller(speculation[1].k, self.step_costs, proposer)
         try:
-            logits = eng.prefill(slot, ids[keep:])
+            rows = eng.prefill(slot, ids[keep:])[None]
             t1 = time.perf_counter()
             timings["prefill_s"] = t1 - t0
-            while True:
-                step = state.advance(logits)
-                if step.token is None:  # max_tokens=0: nothing sampled
+            draft: list[int] = []
+            base, done = 0, False
+            while not done:
+                steps = spec.accept(state, rows, draft)
+                if draft:  # keep the fed token and the accepted drafts; the rest lies past the length
+                    eng.cache.truncate(slot, base + len(steps))
+                if ctrl is not None and n_forwards:
+                    ctrl.record(len(draft), len(steps))
+                if n_forwards:
+                    n_steps += len(steps)
+                for step in steps:
+                    if step.token is None:  # max_tokens=0: nothing sampled
+                        done = True
+                        break
+                    if "ttft_s" not in timings:
+                        timings["ttft_s"] = time.perf_counter() - t0
+                    if logprobs is not None and step.logprob is not None:
+                        logprobs.append(step.logprob)
+                    if step.text:
+                        text.append(step.text)
+                        yield step.text
+                    if step.finish_reason is not None:
+                        done = True
+                        break
+                if done:
                     break
-                if "ttft_s" not in timings:
-                    timings["ttft_s"] = time.perf_counter() - t0
-                if logprobs is not None and step.logprob is not None:
-                    logprobs.append(step.logprob)
-                if step.text:
-                    text.append(step.text)
-                    yield step.text
-                if step.finish_reason is not None:
-                    break
+                token = steps[-1].token
+                assert token is not None  # a step without a token ends generation
+                k = min(ctrl.want(), params.max_tokens - len(state.tokens) - 1) if ctrl is not None else 0
                 td = time.perf_counter()
-                logits = eng.decode([slot], [step.token])[0]
-                t_decode += time.perf_counter() - td
-                n_steps += 1
+                draft = proposer.propose(state.history, k) if proposer is not None and k > 0 else []
+                tv = time.perf_counter()
+                base = eng.cache.length(slot)
+                if draft:
+                    rows = eng.verify([slot], [[token, *draft]])[0]
+                else:
+                    rows = eng.decode([slot], [token])
+                t_end = time.perf_counter()
+                self.step_costs.record(1 + len(draft), t_end - tv)
+                t_decode += t_end - td  # drafting included: decode_tok_s is the throughput a user sees
+                n_forwards += 1
             tail = state.finish()  # what was held back (nothing after a stop string)
             if tail:
                 text.append(tail)
@@ -329,6 +495,9 @@ class Model:
                 decode_s=t_decode,
                 total_s=time.perf_counter() - t0,
             )
+            if ctrl is not None:
+                timings.update(decode_steps=n_forwards, draft_tokens=ctrl.drafted, draft_accepted=ctrl.accepted)
+                ctrl.proposer.release()
             if timings.get("prefill_s"):
                 timings["prefill_tok_s"] = prefilled / timings["prefill_s"]
             if t_decode > 0:
@@ -351,10 +520,15 @@ class Model:
     # -- lifetime
 
     def close(self) -> None:
+        for d in self._drafts.values():
+            d.close()
+        self._drafts.clear()
         self.engine.close()
-        for c in (self._lora_context, self._named_context):
-            if c is not None:
-                c.close()  # after the engine: its graphs point at these tensors
+        if self._lora_context is not None:
+            self._lora_context.close()  # after the engine: its graphs point at these tensors
+        for a in self._named:
+            if a is not None:
+                a.close()
         self._weights.close()
         self._gguf.close()
         self.runtime.close()
@@ -453,7 +627,8 @@ def load(
     items = lora_items(lora)
     named = named_items(adapters)
     runtime = toy_ggml.Runtime(toy_ggml.resolve_device(device), threads=threads or toy_ggml.default_threads())
-    gf = lora_ctx = named_ctx = weights = None
+    gf = lora_ctx = weights = None
+    selectable: list[SelectableAdapter] = []
     try:
         gf = GGUFFile(path)
         models.require_language_model(gf.architecture)
@@ -466,11 +641,9 @@ def load(
             msg = f"n_ctx={ctx} must be between 1 and the model's context length {limit}"
             raise BadInputError(msg, field="n_ctx")
         lora_ctx, terms, applied = load_lora(items, gf, runtime)
-        named_terms, selectable = [], []
-        if named:
-            named_ctx, all_terms, loaded = load_lora([(src, sc) for _, src, sc in named], gf, runtime)
-            named_terms = split_terms(all_terms, len(named))
-            selectable = [(n, p, sc) for (n, _, _), (p, sc) in zip(named, loaded)]
+        for n, src, sc in named:  # each in its own context, so that it can be unloaded alone
+            selectable.append(read_selectable(n, src, sc, gf))
+            selectable[-1].allocate(runtime)
         weights = bind_tensors(gf, runtime)
         engine = LLMEngine(
             cfg,
@@ -483,21 +656,20 @@ def load(
             flash_attn,
             exact_batching=exact_batching,
             lora=terms,
-            adapters=named_terms,
+            adapters=[a.terms or {} for a in selectable],
         )
     except BaseException:
-        for c in (lora_ctx, named_ctx):
-            if c is not None:
-                c.close()
+        if lora_ctx is not None:
+            lora_ctx.close()
+        for a in selectable:
+            a.close()
         if weights is not None:
             weights.close()
         if gf is not None:
             gf.close()
         runtime.close()
         raise
-    return Model(
-        Path(path), cfg, gf, weights, runtime, engine, tokenizer, template, lora_ctx, applied, selectable, named_ctx
-    )
+    return Model(Path(path), cfg, gf, weights, runtime, engine, tokenizer, template, lora_ctx, applied, selectable)
 
 
 __all__ = ["Chat", "Generation", "Model", "Stream", "load"]

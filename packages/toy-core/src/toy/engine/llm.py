@@ -53,7 +53,13 @@ rows' slots at each compute): a row multiplied by 1 gives exactly the bits
 of that adapter applied alone (x · 1 = x), a row multiplied by 0 adds an
 exact zero. So sequences with different adapters (and without one) decode in
 one graph and each gets the output it would get alone. The cost: each
-adapter's products run over every row.
+adapter's products run over every row. ``add_adapter`` / ``remove_adapter``
+change the set between steps (``toy.Model.load_adapter`` /
+``unload_adapter``): indices stay stable (a removed adapter leaves a hole,
+None, that a later add fills), every cached graph is dropped (graphs hold the
+adapters' tensors and feeds), and a slot holding K/V computed with a removed
+adapter is emptied, so its prefix is never reused under another adapter
+that later takes the same index.
 
 Sliding windows and soft-caps (Gemma): a model whose layers attend through
 different windows (``arch.windows(cfg)``) gets one mask input per window
@@ -163,14 +169,58 @@ class LLMEngine:
         self.exact_batching = bool(exact_batching)
         self.one_attention = True  # decode consecutive slots with one 4-D attention (see _one_attention)
         self.lora = {name: list(terms) for name, terms in (lora or {}).items() if terms} or None
-        # each LoRA term adds 4 ops (A x, B (A x), scale, add) to a graph
-        self._lora_ops = 4 * sum(len(t) for t in (self.lora or {}).values())
-        #: selectable adapters (see the module docstring) and the one each slot uses (None: the base)
-        self.adapters = [{n: list(t) for n, t in a.items() if t} for a in adapters or ()]
+        #: selectable adapters (see the module docstring; None: an index freed by ``remove_adapter``)
+        #: and the one each slot uses (None: the base)
+        self.adapters: list[dict | None] = [{n: list(t) for n, t in a.items() if t} for a in adapters or ()]
         self.slot_adapter: list[int | None] = [None] * n_slot
-        self._lora_ops += 5 * sum(len(t) for a in self.adapters for t in a.values())
+        self._lora_ops = self._count_lora_ops()
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.stats = EngineStats()
+
+    # ------------------------------------------------------------------ adapters
+
+    def _count_lora_ops(self) -> int:
+        # each LoRA term adds 4 ops (A x, B (A x), scale, add) to a graph, a selectable one 5 (its row feed)
+        n = 4 * sum(len(t) for t in (self.lora or {}).values())
+        return n + 5 * sum(len(t) for a in self.adapters if a is not None for t in a.values())
+
+    def _live_adapters(self) -> list[int]:
+        return [j for j, a in enumerate(self.adapters) if a is not None]
+
+    def _adapters_changed(self) -> None:
+        """Graphs reference the adapters' tensors and feeds: drop them all."""
+        self._lora_ops = self._count_lora_ops()
+        for g in self._graphs.values():
+            g.close()
+        self._graphs.clear()
+
+    def add_adapter(self, terms: dict) -> int:
+        """Add a selectable adapter (a term map like ``lora``; its tensors stay
+        the caller's) at the first free index, or at the end; returns the index.
+        Call between steps, on the engine's thread."""
+        terms = {n: list(t) for n, t in terms.items() if t}
+        j = next((j for j, a in enumerate(self.adapters) if a is None), len(self.adapters))
+        if j == len(self.adapters):
+            self.adapters.append(terms)
+        else:
+            self.adapters[j] = terms
+        self._adapters_changed()
+        return j
+
+    def remove_adapter(self, j: int) -> None:
+        """Free index ``j`` (kept as a hole: other indices stay). No running
+        sequence may use it; a slot that holds K/V computed with it is emptied,
+        so no prefix of it is reused under a later adapter at that index. The
+        caller frees the tensors afterwards. Call between steps, on the
+        engine's thread."""
+        if not 0 <= j < len(self.adapters) or self.adapters[j] is None:
+            raise BadInputError(f"no selectable adapter at index {j}")
+        self.adapters[j] = None
+        for s in range(self.n_slot):
+            if self.slot_adapter[s] == j:
+                self.cache.truncate(s, 0)
+                self.slot_adapter[s] = None
+        self._adapters_changed()
 
     # ------------------------------------------------------------------ shapes
 
@@ -281,7 +331,7 @@ class LLMEngine:
                 feeds[name] = cin.tensor(mtype, shape, name=name)
         if n_out < n:
             feeds["out_idx"] = cin.tensor(I32, (n_out,), name="out_idx")
-        for j in range(len(self.adapters)):
+        for j in self._live_adapters():
             feeds[f"lsel{j}"] = cin.tensor(F32, (n, 1), name=f"lsel{j}")
             if n_out < n:  # the layers after the output rows are picked (the last one) see n_out rows
                 feeds[f"lsel{j}.out"] = cin.tensor(F32, (n_out, 1), name=f"lsel{j}.out")
@@ -291,10 +341,12 @@ class LLMEngine:
 
     def _lora_terms(self, feeds) -> dict | None:
         """The graph's LoRA terms: the always-applied ones, then each selectable adapter's with its row feed."""
-        if not self.adapters:
+        if not self._live_adapters():
             return self.lora
         terms = {name: list(t) for name, t in (self.lora or {}).items()}
         for j, adapter in enumerate(self.adapters):
+            if adapter is None:  # an index a removed adapter left
+                continue
             for name, ts in adapter.items():
                 rows = tuple(f for f in (feeds[f"lsel{j}"], feeds.get(f"lsel{j}.out")) if f is not None)
                 terms.setdefault(name, []).extend((a, b, s, rows) for a, b, s, _ in ts)
@@ -383,6 +435,33 @@ class LLMEngine:
 
         return self._finish(key, cin, feeds, ops, size, self._decode_forward(ops, feeds, attend_each))
 
+    def _verify_graph(self, slots: tuple[int, ...], ns: tuple[int, ...], n_kvs: tuple[int, ...]) -> _Graph:
+        """``verify``'s graph: sequence j's ns[j] rows (consecutive) attend over its own slot with its own causal
+        mask (ns[j], n_kvs[j]); every product row-invariant; logits of every row."""
+        key = ("verify", slots, ns, n_kvs)
+        g = self._graphs.get(key)
+        if g is not None:
+            self._graphs.move_to_end(key)
+            return g
+        N = sum(ns)
+        H, D = self.cfg.n_head, self.cfg.head_dim
+        starts = np.cumsum((0,) + ns[:-1]).tolist()
+        cin, feeds, ops, size = self._new_graph(N, [(n, n_kv) for n, n_kv in zip(ns, n_kvs)], N)
+
+        def attend_each(layer, q, k, v):  # q (N, H, D): sequence j's rows are starts[j] .. starts[j] + ns[j] - 1
+            kc, vc = self._write(ops, layer, k, v, feeds, N)
+            outs = []
+            for j, (slot, n, n_kv) in enumerate(zip(slots, ns, n_kvs)):
+                kv, vv = self._views(ops, layer, kc, vc, slot, n_kv)
+                qj = ops.view(q, (H, n, D), strides=(D * 4, H * D * 4, 4), offset=starts[j] * H * D * 4)
+                outs.append(self._attend(ops, layer, qj, kv, vv, self._layer_mask(feeds, j, layer), True))
+            a = outs[0]
+            for o in outs[1:]:
+                a = ops.concat(a, o, 0)
+            return a
+
+        return self._finish(key, cin, feeds, ops, size, self._decode_forward(ops, feeds, attend_each))
+
     # ------------------------------------------------------------------ feeds
 
     def _mask(self, q_pos: np.ndarray, n_kv: int, window: int = 0) -> np.ndarray:
@@ -414,9 +493,10 @@ class LLMEngine:
                 f[self._mask_name(j, w)].set(make(window))
         if out_idx is not None:
             f["out_idx"].set(out_idx)
-        if self.adapters:
+        live = self._live_adapters()
+        if live:
             chosen = np.array([-1 if self.slot_adapter[s] is None else self.slot_adapter[s] for s in slots])
-            for j in range(len(self.adapters)):
+            for j in live:
                 f[f"lsel{j}"].set((chosen == j).astype(np.float32).reshape(-1, 1))
                 if f"lsel{j}.out" in f:
                     f[f"lsel{j}.out"].set((chosen[out_idx] == j).astype(np.float32).reshape(-1, 1))
@@ -499,6 +579,44 @@ class LLMEngine:
             self.cache.append(s, [t])
         self.stats.decode_tokens += len(slots_t)
         return logits
+
+    def verify(self, slots: Sequence[int], token_lists: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Append ``token_lists[j]`` (at least one token) to slot ``slots[j]`` for every sequence at once, in
+        ONE graph, and return each sequence's logits (n_j, V): row i predicts the token after
+        ``token_lists[j][i]``. Speculative decoding checks a draft with it (``toy.engine.speculative``).
+
+        Every product is row-invariant and each sequence attends over its own slot with its own causal mask,
+        whatever ``exact_batching`` says: each row's logits and K/V are bit-identical to what ``decode`` of
+        those tokens one at a time gives (tests/test_speculative.py checks it). The caller drops the rows of
+        rejected draft tokens with ``cache.truncate``: cells past a sequence's length are masked, so what they
+        hold is never read. With flash attention on an engine without ``exact_batching``, ``decode`` uses the
+        kernel ggml picks by shape and ``verify`` the one-row kernel: they can differ in the last bits (the
+        library refuses speculation there; see ``toy.engine.speculative``)."""
+        slots_t = tuple(int(s) for s in slots)
+        if len(set(slots_t)) != len(slots_t) or not slots_t:
+            raise BadInputError(f"verify: slots {slots_t} must be distinct and non-empty", field="slots")
+        if len(token_lists) != len(slots_t):
+            raise BadInputError(f"verify: {len(token_lists)} token lists for {len(slots_t)} slots", field="tokens")
+        toks = [np.asarray(t, np.int32).reshape(-1) for t in token_lists]
+        if any(len(t) == 0 for t in toks):
+            raise BadInputError("verify: every sequence needs at least one token", field="tokens")
+        tok = np.concatenate(toks)
+        bad = tok[(tok < 0) | (tok >= self.cfg.n_vocab)]
+        if len(bad):
+            msg = f"verify: token id {int(bad[0])} is outside the vocabulary (0..{self.cfg.n_vocab - 1})"
+            raise BadInputError(msg, field="tokens")
+        ns = tuple(len(t) for t in toks)
+        starts = [self._room(s, n) for s, n in zip(slots_t, ns)]
+        pos = np.concatenate([np.arange(a, a + n, dtype=np.int64) for a, n in zip(starts, ns)])
+        n_kvs = tuple(self._n_kv(a + n) for a, n in zip(starts, ns))
+        g = self._verify_graph(slots_t, ns, n_kvs)
+        offs = np.cumsum((0,) + ns).tolist()
+        masks = [partial(self._mask, pos[offs[j] : offs[j + 1]], n_kv) for j, n_kv in enumerate(n_kvs)]
+        logits = self._run(g, tok, pos, np.repeat(np.array(slots_t), ns), masks)
+        for s, t in zip(slots_t, toks):
+            self.cache.append(s, t)
+        self.stats.decode_tokens += len(tok)
+        return [logits[offs[j] : offs[j + 1]] for j in range(len(slots_t))]
 
     def close(self) -> None:
         for g in self._graphs.values():
