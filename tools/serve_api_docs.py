@@ -131,12 +131,50 @@ ROUTES: dict[tuple[str, str], Route] = {
         '"add_bos_token", "add_eos_token", "vocab_size", "model_max_length"}` (token texts; `pad_token` is '
         "the EOS text when the model has no padding token).",
     ),
+    ("POST", "/slots/{id_slot}"): Route(
+        "llama-server's slot save and restore: `?action=save` writes slot `id_slot`'s tokens and K/V to a "
+        "file, `?action=restore` reads one back into the slot, `?action=erase` empties it (see [the guide]("
+        + GUIDE_LINK
+        + "#slot-save-and-restore)). The body's `filename` is a bare name in the `--slot-save-path` folder "
+        "(without the option: 501 `not_implemented`); a slot processing a request answers 409 `slot_busy`; a "
+        "file of another model or KV setup answers 400 naming what differs, a missing or damaged one 400 (`param` `filename`).",
+        '`{"id_slot", "filename", "n_saved", "n_written", "timings": {"save_ms"}}` (save), `{"id_slot", '
+        '"filename", "n_restored", "n_read", "timings": {"restore_ms"}}` (restore), `{"id_slot", "n_erased"}` '
+        "(erase; token counts and file sizes in bytes).",
+    ),
+    ("GET", "/v1/adapters"): Route(
+        "The selectable LoRA adapters loaded (toy extension; see [the guide]("
+        + GUIDE_LINK
+        + "#adapters-at-run-time)): "
+        "the start-up ones (`--lora NAME=PATH`) and those loaded through `POST /v1/adapters`, with how many "
+        "requests use each.",
+        '`{"object": "list", "data": [{"id": "<alias>:<name>", "object": "adapter", "name", "index", "file", '
+        '"scale", "sha256", "bytes", "source": "startup" | "api", "loaded_at", "in_use", "status": "loaded" | '
+        '"unloading"}]}` (`file` is the file name, never the path; `index` the id llama-server\'s `lora` field '
+        "takes).",
+    ),
+    ("POST", "/v1/adapters"): Route(
+        "Load a LoRA adapter file while serving (toy extension). The path must resolve, symlinks followed, "
+        "inside a folder given with `--adapter-dir` (403 `path_not_allowed` otherwise, the file never opened; "
+        "403 `adapter_loading_disabled` without the option); a missing file, one that is not an adapter or an "
+        "adapter for another base model answers 400 naming the mismatch (`param` `path`); a name already "
+        "taken 409 `adapter_exists`; more than `--max-adapters` adapters 409 `too_many_adapters`. Decoding of "
+        "running requests waits for at most one step. Answers 201.",
+        "The adapter's card, as `GET /v1/adapters` lists it (201 Created).",
+    ),
+    ("DELETE", "/v1/adapters/{name}"): Route(
+        "Unload an adapter (toy extension): from now on requests naming it get 404 `model_not_found`; requests "
+        "that named it before run to their end, and its memory is freed after the last of them.",
+        '200 with the card and `"status": "unloaded"` when no request used it; 202 with `"status": '
+        '"unloading"` and `in_use` while some still do. 404 `adapter_not_found` when no adapter has that name.',
+    ),
 }
 
 # Field descriptions the schema lacks. "Model.field" applies to one model, "field" to every model with it.
 FIELD_NOTES: dict[str, str] = {
     "model": "The model to use: the id `/v1/models` lists, the file name, its stem or the path given to "
-    "`toy serve`. Null or empty means the served model; any other name answers 400 `model_not_found`.",
+    "`toy serve`, or `<alias>:<adapter>` for a selectable adapter. Null or empty means the served model; "
+    "another model answers 400 `model_not_found`, an adapter that is not loaded 404 `model_not_found`.",
     "user": "Accepted and ignored.",
     "temperature": "Divides the logits before the draw; 0 means greedy (argmax).",
     "top_p": "Nucleus sampling: keep the smallest set of most likely tokens whose probability reaches p. "
@@ -185,13 +223,21 @@ FIELD_NOTES: dict[str, str] = {
     "DetokenizeRequest.tokens": "The token ids to decode.",
     "ErrorResponse.error": "The error.",
     "ErrorDetail.message": "What went wrong, for a person to read.",
-    "ErrorDetail.type": "`invalid_request_error`, `rate_limit_error` or `server_error`.",
+    "ErrorDetail.type": "`invalid_request_error`, `permission_error`, `rate_limit_error` or `server_error`.",
     "ErrorDetail.param": "The request field at fault (a dotted path such as `messages.0.content`), or null.",
     "ErrorDetail.code": "A stable code for programs (see [Error codes](#error-codes)), or null.",
 }
 
 STATUS_NOTES: dict[str, str] = {
     "200": "Success.",
+    "201": "Created: the adapter is loaded.",
+    "202": "Accepted: the adapter is being unloaded; requests still use it.",
+    "403": "A path outside the `--adapter-dir` folders (`path_not_allowed`), or loading adapters at run time "
+    "is off (`adapter_loading_disabled`).",
+    "404": "No such path; an adapter that is not loaded.",
+    "409": "A conflict with the server's state: a name taken (`adapter_exists`), the adapter limit "
+    "(`too_many_adapters`), a slot busy (`slot_busy`).",
+    "501": "Not implemented here: slot save and restore without `--slot-save-path` (`not_implemented`).",
     "400": "The request is invalid: a field fails validation (`param` names it), the body is not JSON, the "
     "`model` is another one, prompt plus `max_tokens` exceed the context, the request would create too many "
     "sequences, or it asks for something toy does not support.",
@@ -222,9 +268,20 @@ ERROR_CODES: dict[str, tuple[int, str, str]] = {
         "invalid_request_error",
         "uvicorn could not parse the request (a malformed `Content-Length`, request line or header)",
     ),
-    "model_not_found": (400, "invalid_request_error", "`model` names a model this server does not serve"),
+    "model_not_found": (
+        400,
+        "invalid_request_error",
+        "`model` names a model this server does not serve; 404 when it is `<alias>:<adapter>` (or `lora` names "
+        "an adapter) and that adapter is not loaded",
+    ),
+    "path_not_allowed": (403, "permission_error", "`POST /v1/adapters`: the path is outside every `--adapter-dir`"),
+    "adapter_loading_disabled": (403, "permission_error", "`POST /v1/adapters` on a server without `--adapter-dir`"),
+    "adapter_not_found": (404, "invalid_request_error", "`DELETE /v1/adapters/{name}`: no adapter has that name"),
+    "adapter_exists": (409, "invalid_request_error", "an adapter with that name is loaded, being loaded or unloaded"),
+    "too_many_adapters": (409, "invalid_request_error", "`--max-adapters` adapters are loaded"),
     "invalid_api_key": (401, "invalid_request_error", "the API key is missing or wrong"),
     "not_found": (404, "invalid_request_error", "no such path"),
+    "slot_busy": (409, "invalid_request_error", "the slot is processing a request"),
     "method_not_allowed": (405, "invalid_request_error", "the path exists, the method does not"),
     "request_timeout": (
         408,
@@ -234,6 +291,7 @@ ERROR_CODES: dict[str, tuple[int, str, str]] = {
     "request_too_large": (413, "invalid_request_error", "the body is over the size limit"),
     "queue_full": (429, "rate_limit_error", "no room in the queue; retry after `Retry-After` seconds"),
     "internal_error": (500, "server_error", "an unexpected failure (the message holds the request id)"),
+    "not_implemented": (501, "server_error", "slot save/restore without `--slot-save-path`"),
     "model_loading": (503, "server_error", "the model is still loading"),
     "too_many_connections": (
         503,
@@ -241,7 +299,7 @@ ERROR_CODES: dict[str, tuple[int, str, str]] = {
         "`--max-connections` are open; retry after `Retry-After` seconds (answered before the request is read)",
     ),
 }
-ERROR_SOURCES = ("app.py", "conn.py", "guard.py", "jobs.py", "routes.py", "schemas.py", "server.py")
+ERROR_SOURCES = ("adapters.py", "app.py", "conn.py", "guard.py", "jobs.py", "routes.py", "schemas.py", "server.py")
 
 # Real answers of the app without a model (see the module docstring): (title, method, path, JSON body).
 EXAMPLES = (
@@ -588,7 +646,8 @@ def render(
             content = body.get("content", {})
             for media in sorted(content):
                 s = content[media].get("schema", {})
-                name = ref_name(s["$ref"]) if "$ref" in s else None
+                refs = [m["$ref"] for m in s.get("anyOf", []) if "$ref" in m]  # an optional body: Model | None
+                name = ref_name(s["$ref"]) if "$ref" in s else ref_name(refs[0]) if len(refs) == 1 else None
                 need = "required" if body.get("required") else "optional"
                 out += ["", f"### Request body: {name or type_of(s)}", ""]
                 out += [f"`{media}`, {need}."]

@@ -16,6 +16,13 @@ sends them to a LIVE server. The properties, from app.py's invariants:
   positive example's ``model`` is set to the served alias (a random name
   would only ever get ``model_not_found``).
 
+``POST /v1/adapters`` is fuzzed like the others against a server whose only
+``--adapter-dir`` is an empty temporary folder: no example can load a file
+(a path outside the folder is a 403 never opened, one inside a 400 naming
+``path``); ``GET /v1/adapters`` and ``DELETE /v1/adapters/{name}`` get
+positive examples only (their one input is a path string), never a 5xx, and
+nothing to delete (404).
+
 Big values (``test_fuzz_big_values``, hypothesis without schemathesis): for
 every field the request schema names (nested ones too: ``messages.0.content``,
 ``messages.0.content.0.text``, ``stream_options.include_usage``, ...), a
@@ -47,12 +54,16 @@ import copy
 import json
 import os
 import re
+import time
 
 import pytest
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
-POST_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize"]
+POST_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize", "/v1/adapters"]
+# POST /v1/adapters: the server's --adapter-dir is an empty temporary folder, so no example loads a file; a path
+# outside it is a 403 (never opened), one inside a 400 naming ``path`` (no such file)
+FORBIDDEN_OK = {"/v1/adapters"}
 # A longer hunt: TOY_FUZZ_EXAMPLES=300 TOY_FUZZ_RANDOM=1 (new examples each run instead of the fixed ones).
 MAX_EXAMPLES = int(os.environ.get("TOY_FUZZ_EXAMPLES", "25"))
 # 400s a schema-valid request may still get, each named by its code or param (app.py, schemas.py)
@@ -76,18 +87,24 @@ ALLOWED_400 = {
     (None, "functions"),
     (None, "function_call"),
     (None, "tool_choice"),
+    (None, "path"),
+    (None, "id_slot"),  # POST /slots/{id_slot}: a slot past --parallel
+    (None, "filename"),  # a slot file name with a path separator, '..', a leading dot, or no such file
 }
 # params of a positive example's 400 matched whole (a message's tool call fields: schemas.py refuses them)
 ALLOWED_400_PARAMS = re.compile(r"messages\.\d+\.(tool_calls|function_call)")
 
 
 @pytest.fixture(scope="module")
-def fuzz_live(smollm2_path, serve_settings, serving):
+def fuzz_live(smollm2_path, serve_settings, serving, tmp_path_factory):
     import toy
 
     m = toy.load(smollm2_path, n_ctx=64, n_slot=2, threads=2, exact_batching=True)
+    empty = str(tmp_path_factory.mktemp("fuzz-adapters"))  # POST /v1/adapters finds nothing to load here
     try:
-        with serving(serve_settings(max_batch=4, max_queue=16), m) as live:
+        slots = str(tmp_path_factory.mktemp("fuzz-slots"))  # POST /slots/{id}?action=save writes here
+        settings = serve_settings(max_batch=4, max_queue=16, adapter_dirs=(empty,), slot_save_path=slots)
+        with serving(settings, m) as live:
             yield live
     finally:
         m.close()
@@ -110,7 +127,7 @@ def _error(response) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["positive", "negative"])
-@pytest.mark.parametrize("path", POST_PATHS)
+@pytest.mark.parametrize("path", [*POST_PATHS, "/slots/{id_slot}"])  # slot save/restore: no JSON body to grow
 def test_fuzz_no_server_errors(fuzz_live, schema, path, mode):
     from hypothesis import HealthCheck, Phase, given, settings
     from schemathesis import GenerationMode
@@ -144,12 +161,20 @@ def test_fuzz_no_server_errors(fuzz_live, schema, path, mode):
                 allowed = (err["code"], None) in ALLOWED_400 or (None, param) in ALLOWED_400
                 assert allowed or ALLOWED_400_PARAMS.fullmatch(err["param"] or ""), (case.body, err)
             if mode == "positive":
-                assert response.status_code in (400, 413), (case.body, err)
+                forbidden = path in FORBIDDEN_OK and response.status_code == 403 and err["code"] == "path_not_allowed"
+                # a random ``lora`` name: no such adapter is loaded (404 model_not_found, as after its DELETE)
+                unloaded = response.status_code == 404 and err["param"] == "lora" and err["code"] == "model_not_found"
+                assert response.status_code in (400, 413) or forbidden or unloaded, (case.body, err)
 
     run()
     assert sum(seen.values()) >= 1
     # the server is still up and answering afterwards
     assert fuzz_live.http.get("/health").status_code == 200
+    # nothing is left in the worker: a request that ended early (an error after its jobs were queued) has its jobs
+    # cancelled, and the worker ends them at its next step, which may come just after the response
+    deadline = time.monotonic() + 10
+    while fuzz_live.srv.worker.busy() and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert fuzz_live.srv.worker.busy() == 0
 
 
@@ -168,6 +193,7 @@ BASE = {
     "/v1/embeddings": {"input": "Hi"},
     "/tokenize": {"content": "Hi"},
     "/detokenize": {"tokens": [1]},
+    "/v1/adapters": {"name": "a", "path": "missing.gguf"},
 }
 
 
@@ -290,8 +316,11 @@ def test_fuzz_big_values(fuzz_live, path):
             assert r.status_code == 400, (where, spliced, r.text[:500])
         assert r.headers.get("x-request-id"), r.headers
         if r.status_code >= 400:
-            assert r.status_code in (400, 413), (where, r.status_code, r.text[:500])
+            forbidden = path in FORBIDDEN_OK and r.status_code == 403  # a long path that is absolute
             err = _error(r)
+            # ``lora`` names a selectable adapter: one that is not loaded is a 404 model_not_found, as after its DELETE
+            unloaded = where == "lora" and r.status_code == 404 and err["code"] == "model_not_found"
+            assert r.status_code in (400, 413) or forbidden or unloaded, (where, r.status_code, r.text[:500])
             assert err["param"] is not None or err["code"] is not None, (where, err)
             if spliced and r.status_code == 400:
                 assert err["code"] in spliced, (where, spliced, err)
@@ -302,3 +331,37 @@ def test_fuzz_big_values(fuzz_live, path):
     assert sum(seen.values()) >= BIG_EXAMPLES // 2, seen
     assert fuzz_live.http.get("/health").status_code == 200
     assert fuzz_live.srv.worker.busy() == 0
+
+
+@pytest.mark.parametrize(("path", "method"), [("/v1/adapters", "GET"), ("/v1/adapters/{name}", "DELETE")])
+def test_fuzz_adapter_admin_routes(fuzz_live, schema, path, method):
+    """The adapter list and DELETE: never a 5xx, errors in OpenAI's shape; nothing is loaded, so a DELETE of any
+    name is a 404 (or 404 ``not_found`` for a name the route cannot hold, such as one with a '/')."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis import GenerationMode
+    from schemathesis.checks import not_a_server_error
+
+    op = schema[path][method]
+    seen: dict[int, int] = {}
+
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=os.environ.get("TOY_FUZZ_RANDOM") != "1",
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=op.as_strategy(generation_mode=GenerationMode.POSITIVE))  # a path's only input is a string
+    def run(case):
+        response = case.call(base_url=fuzz_live.url, timeout=60)
+        seen[response.status_code] = seen.get(response.status_code, 0) + 1
+        case.validate_response(response, checks=[not_a_server_error])
+        assert response.headers.get("x-request-id"), response.headers
+        if response.status_code >= 400:
+            _error(response)
+        assert response.status_code == (200 if method == "GET" else 404), response.text
+
+    run()
+    assert sum(seen.values()) >= 1
+    assert fuzz_live.http.get("/v1/adapters").json()["data"] == []

@@ -122,17 +122,18 @@ def test_llama_server_lora_field_and_errors(live, alone, files):
     assert r["choices"][0]["text"] == alone[ids[1], PROMPTS[1]]
     chat = {"model": f"{alias}:{ids[2]}", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
     assert http.post("/v1/chat/completions", json=chat).status_code == 200
-    bad = [
-        ({**body, "model": f"{alias}:nope"}, "model"),
-        ({**body, "lora": "nope"}, "lora"),
-        ({**body, "lora": [{"id": 7}]}, "lora"),
-        ({**body, "lora": [{"id": 0, "scale": 0.5}]}, "lora"),
-        ({**body, "lora": [{"id": 0}, {"id": 1}]}, "lora"),
-        ({**body, "model": f"{alias}:{ids[0]}", "lora": ids[1]}, "lora"),
+    bad = [  # an adapter name that is not loaded is a 404 model_not_found (as after DELETE /v1/adapters/{name})
+        ({**body, "model": f"{alias}:nope"}, "model", 404),
+        ({**body, "lora": "nope"}, "lora", 404),
+        ({**body, "lora": [{"id": 7}]}, "lora", 400),
+        ({**body, "lora": [{"id": 0, "scale": 0.5}]}, "lora", 400),
+        ({**body, "lora": [{"id": 0}, {"id": 1}]}, "lora", 400),
+        ({**body, "model": f"{alias}:{ids[0]}", "lora": ids[1]}, "lora", 400),
     ]
-    for b, param in bad:
+    for b, param, status in bad:
         r = http.post("/v1/completions", json=b)
-        assert r.status_code == 400 and r.json()["error"]["param"] == param, (b, r.text)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (b, r.text)
+        assert (r.json()["error"]["code"] == "model_not_found") == (status == 404), r.text
 
 
 def test_settings_parse_named_adapters(files):

@@ -176,3 +176,37 @@ def test_budget_queue_and_cancel(model):
         assert drain(q2)[2][-1]["finish_reason"] == "length"
     finally:
         w.stop()
+
+
+def test_call_runs_between_steps_on_the_worker_thread(model):
+    """``EngineWorker.call``: ``fn`` runs on the engine thread while no step is in flight (the worker counts a
+    step only once it is whole, so two reads of the counter inside ``fn`` agree, and a job decoding meanwhile
+    keeps its tokens); its exception reaches the caller; after ``stop`` a call is refused as shutting down."""
+    model.engine.cache.clear()
+    w = EngineWorker(model, max_queue=4, prefill_chunk=5)
+    w.start()
+    try:
+        j, q = job(model, "busy", PROMPTS[2], max_tokens=10)
+        w.submit(j)
+        seen = []
+
+        def probe():
+            before = w.steps
+            seen.append((threading.current_thread().name, before, j.phase))
+            return w.steps - before
+
+        futs = [w.call(probe) for _ in range(3)]
+        assert [f.result(60) for f in futs] == [0, 0, 0]
+        assert all(name == "toy-engine" for name, _, _ in seen)
+        assert [s for _, s, _ in seen] == sorted(s for _, s, _ in seen)  # in order
+        bad = w.call(lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            bad.result(60)
+        toks, _, events = drain(q)  # the worker went on: the job runs to its end
+        assert events[-1]["finish_reason"] == "length" and len(toks) == 10
+        assert w.call(lambda: "still here").result(60) == "still here"
+    finally:
+        w.stop()
+    with pytest.raises(QueueFullError) as e:
+        w.call(lambda: None)
+    assert e.value.shutting_down

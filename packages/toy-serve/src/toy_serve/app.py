@@ -1,7 +1,8 @@
 """The HTTP app: ``create_app(settings, model=None)`` -> an OpenAI-compatible FastAPI app.
 
 Routes: GET /health, /v1/models, /metrics, /tokenizer_info; POST /v1/completions,
-/v1/chat/completions, /v1/embeddings, /tokenize, /detokenize. Generation and
+/v1/chat/completions, /v1/embeddings, /tokenize, /detokenize; GET/POST /v1/adapters and
+DELETE /v1/adapters/{name} (``toy_serve.adapters``). Generation and
 embeddings run on one ``EngineWorker`` thread (continuous batching); each
 request turns into jobs whose events the worker hands to the event loop
 (``loop.call_soon_threadsafe`` into the request's own ``asyncio.Queue``).
@@ -43,7 +44,9 @@ Decisions:
   the 400 and the other error statuses instead); ``QueueFullError`` 429
   with ``Retry-After: 1`` (503 while shutting down); an over-long request
   400 ``context_length_exceeded``; an unknown ``model`` 400
-  ``model_not_found`` (a missing or empty ``model`` means the served one);
+  ``model_not_found`` (a missing or empty ``model`` means the served one),
+  404 ``model_not_found`` for ``<model>:<adapter>`` when that adapter is not
+  loaded (``toy_serve.adapters``: adapters loaded and unloaded while serving);
   a job that fails in the engine 500 (or, once a stream has started, an
   ``{"error": ...}`` chunk before ``data: [DONE]``).
 - Embeddings are the mean of the final hidden states over every input token

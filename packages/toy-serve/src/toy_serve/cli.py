@@ -159,6 +159,21 @@ def serve(
             "(model '<alias>:NAME' or the lora field).",
         ),
     ] = None,
+    adapter_dir: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--adapter-dir",
+            metavar="DIR",
+            help="Let POST /v1/adapters load adapter files from DIR (a path must resolve inside it, symlinks "
+            "followed); repeatable. Without it, loading adapters at run time is off.",
+        ),
+    ] = None,
+    max_adapters: Annotated[
+        int,
+        typer.Option(
+            "--max-adapters", help="Selectable adapters loaded at once; POST /v1/adapters answers 409 beyond."
+        ),
+    ] = 8,
     runs_dir: RunsDir = None,
     alias: Annotated[
         str | None, typer.Option("--alias", help="Model id in /v1/models (default: the file stem).")
@@ -178,6 +193,41 @@ def serve(
         typer.Option(
             "--max-connections", help="Open connections at most; 503 beyond (default: from the descriptor limit)."
         ),
+    ] = None,
+    cache_ram: Annotated[
+        int,
+        typer.Option(
+            "--cache-ram",
+            metavar="MB",
+            help="RAM for the prefix cache shared by all requests (0 turns it off); outputs stay bit-exact.",
+        ),
+    ] = 256,
+    cache_dir: Annotated[
+        Path | None,
+        typer.Option("--cache-dir", help="Spill prefix-cache blocks to this folder (checksummed; survives a restart)."),
+    ] = None,
+    cache_disk: Annotated[
+        int, typer.Option("--cache-disk", metavar="MB", help="Most the --cache-dir folder may hold.")
+    ] = 2048,
+    slot_save_path: Annotated[
+        Path | None,
+        typer.Option("--slot-save-path", help="Folder for POST /slots/{id}?action=save|restore files."),
+    ] = None,
+    speculative: Annotated[
+        str,
+        typer.Option(
+            "--speculative",
+            help="Default speculative decoding of requests: none, ngram (prompt lookup) or draft (needs "
+            "--draft-model); a request's speculative field overrides it. Outputs stay bit-exact.",
+        ),
+    ] = "none",
+    draft_model: Annotated[
+        Path | None,
+        typer.Option("--draft-model", help="A GGUF with the model's vocabulary that drafts tokens for 'draft'."),
+    ] = None,
+    draft_max: Annotated[
+        int | None,
+        typer.Option("--draft-max", metavar="K", help="Most draft tokens per step (default: ngram 8, draft 4)."),
     ] = None,
     log_level: Annotated[
         str, typer.Option("--log-level", help="uvicorn and server log level: debug, info, warning, error.")
@@ -213,10 +263,19 @@ def serve(
             header_timeout=header_timeout,
             body_timeout=body_timeout,
             max_connections=max_connections,
+            cache_ram=cache_ram,
+            cache_dir=None if cache_dir is None else str(cache_dir),
+            cache_disk=cache_disk,
+            slot_save_path=None if slot_save_path is None else str(slot_save_path),
             runs_dir=None if runs_dir is None else str(runs_dir),
             model_alias=alias,
             lora=tuple(adapters),
             adapters=tuple(named),  # type: ignore[arg-type]  # "NAME=PATH[:SCALE]" strings: Settings parses them
+            adapter_dirs=tuple(str(d) for d in adapter_dir or ()),
+            max_adapters=max_adapters,
+            speculative=speculative,
+            draft_model=None if draft_model is None else str(draft_model),
+            draft_max=draft_max,
         )
         from toy import store
 

@@ -125,7 +125,23 @@ class Batch:
         prompt = sum(len(c.ids) for c in self.choices if c.first)
         done = sum(c.usage.get("completion_tokens", c.n_out) for c in self.choices)
         cached = sum(c.usage.get("cached_tokens", 0) for c in self.choices if c.first)
-        return S.usage(prompt, done, cached)
+        u = S.usage(prompt, done, cached)
+        drafted = sum(c.timings.get("draft_tokens", 0) for c in self.choices)
+        if drafted:  # speculative decoding, in the names of OpenAI's predicted outputs
+            accepted = sum(c.timings.get("draft_accepted", 0) for c in self.choices)
+            u["completion_tokens_details"] = {
+                "accepted_prediction_tokens": accepted,
+                "rejected_prediction_tokens": drafted - accepted,
+            }
+        return u
+
+    def timings(self) -> dict:
+        """``{"timings": {"draft_n", "draft_n_accepted"}}`` (llama-server's names) when a choice speculated."""
+        spec = [c.timings for c in self.choices if "draft_tokens" in c.timings]
+        if not spec:
+            return {}
+        n = sum(t["draft_tokens"] for t in spec)
+        return {"timings": {"draft_n": n, "draft_n_accepted": sum(t["draft_accepted"] for t in spec)}}
 
     def summarize(self) -> None:
         u = self.usage()

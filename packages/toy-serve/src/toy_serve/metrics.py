@@ -20,6 +20,23 @@ What is measured (all names start with ``toy_``):
   and ``toy_request_duration_seconds{endpoint}`` (HTTP request start to the
   last byte of the response, for every endpoint).
 
+- the prefix cache (``toy.engine.prefix``), read from its stats at each
+  scrape while it is on: ``toy_prefix_cache_hits_total`` and
+  ``toy_prefix_cache_misses_total`` (16-token prompt blocks found or not by
+  lookups), the gauge ``toy_prefix_cache_hit_ratio`` (hits / (hits +
+  misses) since start), ``toy_prefix_cache_evictions_total{tier}`` (RAM:
+  blocks evicted, spilled to disk when there is a folder; disk: files
+  deleted for the folder's bound), ``toy_prefix_cache_discarded_total``
+  (damaged or foreign block files), gauges ``toy_prefix_cache_bytes{tier}``
+  and ``toy_prefix_cache_blocks{tier}``. ``toy_prefix_cache_cached_tokens_total``
+  (always there) sums the usage ``cached_tokens`` of finished sequences.
+
+- speculative decoding (``toy.engine.speculative``):
+  ``toy_speculative_draft_tokens_total{proposer}`` (draft tokens verified by
+  the target, proposer ngram or draft) and
+  ``toy_speculative_accepted_tokens_total{proposer}`` (of them, the ones the
+  target's own token step produced), counted by the worker at each verify.
+
 - ``toy_telemetry_ok`` (gauge, 1 or 0) and ``toy_telemetry_errors_total``
   (counter): whether the run bundle's last write succeeded, and how many
   events could not be written (a full ``--runs-dir``, an I/O error). Read
@@ -76,6 +93,40 @@ class _Telemetry:
         return [ok, errors]
 
 
+class _PrefixCacheStats:
+    """A collector reading the prefix cache's stats at scrape time (``Metrics.watch_prefix_cache``)."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Any] | None = None
+
+    def collect(self) -> Any:
+        st = self.source() if self.source is not None else None
+        if st is None:
+            return []
+        hits = CounterMetricFamily("toy_prefix_cache_hits", "Prompt blocks (16 tokens) found in the prefix cache.")
+        hits.add_metric([], float(st.hits))
+        misses = CounterMetricFamily("toy_prefix_cache_misses", "Prompt blocks looked up and not found.")
+        misses.add_metric([], float(st.misses))
+        ratio = GaugeMetricFamily("toy_prefix_cache_hit_ratio", "hits / (hits + misses) since start (0 before any).")
+        ratio.add_metric([], st.hits / (st.hits + st.misses) if st.hits + st.misses else 0.0)
+        ev = CounterMetricFamily(
+            "toy_prefix_cache_evictions",
+            "Blocks evicted: from RAM (spilled to disk if any), from disk.",
+            labels=["tier"],
+        )
+        ev.add_metric(["ram"], float(st.evictions))
+        ev.add_metric(["disk"], float(st.disk_evictions))
+        bad = CounterMetricFamily("toy_prefix_cache_discarded", "Damaged or foreign block files deleted unused.")
+        bad.add_metric([], float(st.discarded))
+        size = GaugeMetricFamily("toy_prefix_cache_bytes", "Bytes of blocks held, by tier.", labels=["tier"])
+        size.add_metric(["ram"], float(st.ram_bytes))
+        size.add_metric(["disk"], float(st.disk_bytes))
+        blocks = GaugeMetricFamily("toy_prefix_cache_blocks", "Blocks held, by tier.", labels=["tier"])
+        blocks.add_metric(["ram"], float(st.ram_blocks))
+        blocks.add_metric(["disk"], float(st.disk_blocks))
+        return [hits, misses, ratio, ev, bad, size, blocks]
+
+
 class Metrics:
     """The counters, gauges and histograms of one app; ``render()`` is the /metrics body."""
 
@@ -114,8 +165,28 @@ class Metrics:
             buckets=_DURATION,
             registry=r,
         )
+        self.cached_tokens = Counter(
+            "toy_prefix_cache_cached_tokens",
+            "Prompt tokens not prefilled because their K/V were cached (a slot's own prefix or prefix-cache "
+            "blocks): the sum of the responses' usage cached_tokens.",
+            registry=r,
+        )
+        self.draft_tokens = Counter(
+            "toy_speculative_draft_tokens",
+            "Draft tokens verified by the target model, by proposer (ngram, draft).",
+            ["proposer"],
+            registry=r,
+        )
+        self.accepted_tokens = Counter(
+            "toy_speculative_accepted_tokens",
+            "Draft tokens accepted (equal to the token the target's own step produced), by proposer.",
+            ["proposer"],
+            registry=r,
+        )
         self._telemetry = _Telemetry()
         r.register(self._telemetry)
+        self._prefix = _PrefixCacheStats()
+        r.register(self._prefix)
 
     # -- called by the engine worker (its thread)
 
@@ -132,7 +203,13 @@ class Metrics:
         """A job ended: count its tokens (prompt = ``len(job.ids)``, completion = ``len(job.out)``)."""
         self.prompt_tokens.inc(len(getattr(job, "ids", ()) or ()))
         self.completion_tokens.inc(len(getattr(job, "out", ()) or ()))
+        self.cached_tokens.inc(getattr(job, "cached", 0) or 0)
         self.sequences.labels(finish_reason=str(reason)).inc()
+
+    def speculated(self, proposer: str, drafted: int, accepted: int) -> None:
+        """One verify step of a speculating job: ``drafted`` draft tokens, ``accepted`` of them kept."""
+        self.draft_tokens.labels(proposer=proposer).inc(drafted)
+        self.accepted_tokens.labels(proposer=proposer).inc(accepted)
 
     def gauges(self, queue: int, active: int, kv_cells: int) -> None:
         self.queue_depth.set(queue)
@@ -146,6 +223,10 @@ class Metrics:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
         if duration_s is not None:
             self.request_duration.labels(endpoint=endpoint).observe(max(0.0, duration_s))
+
+    def watch_prefix_cache(self, source: Callable[[], Any]) -> None:
+        """Report ``source()``'s prefix-cache stats (a ``toy.engine.prefix.PrefixStats``) at each scrape."""
+        self._prefix.source = source
 
     def watch_telemetry(self, source: Callable[[], Any]) -> None:
         """Report ``source()``'s ``healthy``/``errors`` (a ``RunWriter``, or None) at each scrape."""

@@ -1,5 +1,7 @@
 """The routes: /health, /v1/models, /metrics, /v1/completions,
 /v1/chat/completions, /v1/embeddings, /tokenize, /detokenize (``add_routes``),
+/slots/{id} (slot save, restore and erase: ``add_slot_routes``),
+/v1/adapters (load, list and unload adapters: ``toy_serve.adapters``),
 and the mapping of toy's exceptions to OpenAI-shaped errors (``toy_error``)."""
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any, cast
+from typing import Annotated, Any, Literal, cast
 
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
+from fastapi import Path as FPath
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
@@ -36,7 +39,7 @@ from toy_serve.schemas import (
     TokenizeRequest,
 )
 from toy_serve.server import CHAT, COMPLETIONS, DEFAULT_PARAM, EMBEDDINGS, Server, internal, log
-from toy_serve.worker import QueueFullError
+from toy_serve.worker import QueueFullError, SlotBusyError
 
 # each POST route's request model: the fields an error's ``param`` can name
 _REQUESTS: dict[str, type[BaseModel]] = {
@@ -139,6 +142,10 @@ _SSE: dict[int | str, dict[str, Any]] = {
 def add_routes(app: FastAPI, srv: Server) -> None:
     alias = srv.settings.alias
     srv.metrics.watch_telemetry(lambda: srv.writer)  # toy_telemetry_ok / _errors_total, read at each scrape
+    add_slot_routes(app, srv)
+    from toy_serve.adapters import add_adapter_routes
+
+    add_adapter_routes(app, srv)
 
     @app.get("/health", responses={503: {"description": "loading, stopping or failed to load"}})
     async def health() -> Response:
@@ -155,11 +162,14 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         if adapters:  # file names only: a client has no business with the server's paths
             card["lora"] = [{"name": Path(p).name if p else None, "scale": sc} for p, sc in adapters]
         cards = [card]
-        for j, (name, p, sc) in enumerate(srv.settings.adapters):  # each selectable adapter is a model too
+        for j, item in enumerate(srv.adapter_slots()):  # each selectable adapter is a model too
+            if item is None:  # an index an unloaded adapter left
+                continue
+            name, p, sc = item
             extra = {"max_model_len": card["max_model_len"]} if "max_model_len" in card else {}
             cards.append({
                 "id": f"{alias}:{name}", "object": "model", "created": srv.created, "owned_by": "toy",
-                "parent": alias, **extra, "adapter": {"id": j, "name": name, "file": Path(p).name, "scale": sc},
+                "parent": alias, **extra, "adapter": {"id": j, "name": name, "file": Path(p).name if p else None, "scale": sc},
             })  # fmt: skip
         return JSONResponse({"object": "list", "data": cards})
 
@@ -170,7 +180,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
     @app.post(COMPLETIONS, responses={**_API, **_SSE})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         model = srv.ready()
-        adapter = model.adapter_index(S.adapter_of(body, srv.check_model(body.model), srv.settings.adapters))
+        adapter = srv.hold_adapter(S.adapter_of(body, srv.check_model(body.model), srv.adapter_slots()), request)
         S.refuse_unsupported(body)
         prompts = await asyncio.to_thread(_prompts, srv, model, body.prompt, "prompt", body.n)
         cons = await asyncio.to_thread(S.constraint, body, model.tokenizer)
@@ -180,7 +190,12 @@ def add_routes(app: FastAPI, srv: Server) -> None:
             for i in range(body.n):
                 params = S.sampling_params(body, max_tokens=budget, logprobs=k, index=i, constraint=cons)
                 c = batch.add(
-                    ids, params, i == 0, prompt_logprobs=k if body.echo and k is not None else None, adapter=adapter
+                    ids,
+                    params,
+                    i == 0,
+                    prompt_logprobs=k if body.echo and k is not None else None,
+                    adapter=adapter,
+                    speculative=S.speculative_of(body),
                 )
                 c.echo = text if body.echo else ""
                 c.lp = S.LegacyLogprobs(model.tokenizer) if k is not None else None
@@ -197,7 +212,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
                 choices.append(
                     {"index": c.index, "text": c.echo + "".join(c.text), "logprobs": lps, "finish_reason": c.finish}
                 )
-            return JSONResponse({**head, "choices": choices, "usage": batch.usage()})
+            return JSONResponse({**head, "choices": choices, "usage": batch.usage(), **batch.timings()})
         extra = {"usage": None} if body.include_usage else {}
 
         def chunk(c: Choice, text: str, logprobs: dict | None, finish: str | None) -> str:
@@ -222,7 +237,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
     @app.post(CHAT, responses={**_API, **_SSE})
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         model = srv.ready()
-        adapter = model.adapter_index(S.adapter_of(body, srv.check_model(body.model), srv.settings.adapters))
+        adapter = srv.hold_adapter(S.adapter_of(body, srv.check_model(body.model), srv.adapter_slots()), request)
         S.refuse_unsupported(body)
         if body.n > srv.settings.jobs_per_request:
             raise APIError(400, f"n={body.n} is more than {srv.settings.jobs_per_request} sequences", param="n")
@@ -254,7 +269,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         k, batch, tok = (body.top_logprobs or 0) if body.logprobs else None, Batch(srv, request), model.tokenizer
         for i in range(body.n):
             params = S.sampling_params(body, max_tokens=budget, logprobs=k, index=i, constraint=cons)
-            c = batch.add(ids, params, i == 0, adapter=adapter)
+            c = batch.add(ids, params, i == 0, adapter=adapter, speculative=S.speculative_of(body))
             c.lp = [] if k is not None else None
             c.tools = T.ToolParser(names) if tools else None
         batch.submit()
@@ -287,7 +302,8 @@ def add_routes(app: FastAPI, srv: Server) -> None:
                         finish = "tool_calls" if finish != "cancelled" else finish
                 lps = {"content": c.lp} if c.lp is not None else None
                 choices.append({"index": c.index, "message": message, "logprobs": lps, "finish_reason": finish})
-            return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": batch.usage()})
+            body_ = {**head, "object": "chat.completion", "choices": choices, "usage": batch.usage()}
+            return JSONResponse({**body_, **batch.timings()})
         head = {**head, "object": "chat.completion.chunk", **({"usage": None} if body.include_usage else {})}
 
         def chunk(c: Choice, delta: dict, logprobs: list | None, finish: str | None) -> str:
@@ -338,7 +354,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
     @app.post(EMBEDDINGS, responses=_API)
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         model = srv.ready()
-        adapter = model.adapter_index(srv.check_model(body.model))
+        adapter = srv.hold_adapter(srv.check_model(body.model), request)
         d = model.cfg.d_model
         if body.dimensions is not None and body.dimensions != d:
             msg = f"dimensions={body.dimensions}: this model's embeddings have {d} dimensions (no truncation)"
@@ -389,3 +405,79 @@ def add_routes(app: FastAPI, srv: Server) -> None:
 
         model = srv.ready()
         return JSONResponse(info(model.tokenizer, model.chat_template, model.engine.n_ctx))
+
+
+# ------------------------------------------------------------------ slot save / restore (llama-server's API)
+
+
+def slot_file(srv: Server, body: S.SlotRequest | None) -> Path:
+    """The slot file a request names: a bare file name inside ``--slot-save-path`` (400 for anything else,
+    501 when the option is not set)."""
+    folder = srv.settings.slot_save_path
+    if folder is None:
+        raise APIError(
+            501,
+            "slot save/restore is off on this server (start it with --slot-save-path DIR)",
+            type="server_error",
+            code="not_implemented",
+        )
+    name = body.filename if body is not None else None
+    if not name:
+        raise APIError(400, "filename is required for save and restore", param="filename")
+    bad = "/" in name or "\\" in name or "\0" in name or ".." in name or name.startswith(".")
+    if bad or Path(name).name != name:
+        msg = f"filename {name!r} must be a bare file name (no path separators, no '..', not hidden)"
+        raise APIError(400, msg, param="filename")
+    return Path(folder) / name
+
+
+def add_slot_routes(app: FastAPI, srv: Server) -> None:
+    @app.post("/slots/{id_slot}", responses=_errors(400, 401, 409, 500, 501, 503))
+    async def slots(
+        id_slot: Annotated[int, FPath(ge=0, description="The slot (0 to --parallel - 1).")],
+        action: Annotated[Literal["save", "restore", "erase"], Query(description="What to do with the slot.")],
+        body: S.SlotRequest | None = None,
+    ) -> Response:
+        """Save a slot's cache to a file, restore one into a slot, or erase a slot (llama-server's
+        ``/slots/{id}?action=save|restore|erase``); files live in ``--slot-save-path`` only. A slot that is
+        processing a request answers 409. Runs on the engine's thread between two steps."""
+        srv.ready()
+        worker = srv.worker
+        assert worker is not None  # ready() says the worker runs
+        path = slot_file(srv, body) if action != "erase" else None
+        if action == "restore" and path is not None and not path.is_file():
+            raise APIError(400, f"no slot file {path.name!r} in the slot save folder", param="filename")
+        t0 = time.perf_counter()
+
+        def run() -> dict[str, Any]:
+            if path is None:
+                return {"id_slot": id_slot, "n_erased": worker.erase_slot(id_slot)}
+            if action == "save":
+                path.parent.mkdir(parents=True, exist_ok=True)
+                n, size = worker.save_slot(id_slot, path, srv.fingerprint)
+                ms = (time.perf_counter() - t0) * 1000
+                return {
+                    "id_slot": id_slot,
+                    "filename": path.name,
+                    "n_saved": n,
+                    "n_written": size,
+                    "timings": {"save_ms": ms},
+                }
+            n, size = worker.restore_slot(id_slot, path, srv.fingerprint)
+            ms = (time.perf_counter() - t0) * 1000
+            return {
+                "id_slot": id_slot,
+                "filename": path.name,
+                "n_restored": n,
+                "n_read": size,
+                "timings": {"restore_ms": ms},
+            }
+
+        try:
+            out = await asyncio.wrap_future(worker.call(run))
+        except SlotBusyError as e:
+            raise APIError(409, f"{e} ({e.hint})" if e.hint else str(e), param="id_slot", code="slot_busy") from e
+        except BadInputError as e:
+            msg = str(e) + (f" ({e.hint})" if e.hint else "")
+            raise APIError(400, msg, param=getattr(e, "field", None)) from e
+        return JSONResponse(out)

@@ -136,6 +136,21 @@ class LoraRef(_Model):
     scale: float | None = Field(None, description="0 leaves the adapter out; else it must be its loaded scale.")
 
 
+class Speculative(_Model):
+    """toy extension: speculative decoding for one request; the output is the same as without it, token for token."""
+
+    type: Literal["none", "ngram", "draft"] = Field(
+        "ngram",
+        description="none: plain decoding; ngram: prompt lookup (drafts copied from the prompt and text so far); "
+        "draft: the server's --draft-model drafts.",
+    )
+    n: int | None = Field(None, ge=1, le=16, description="ngram: the longest n-gram matched (default 3).")
+    n_min: int | None = Field(None, ge=1, le=16, description="ngram: the shortest n-gram matched (default 1).")
+    k: int | None = Field(
+        None, ge=1, le=64, description="The most draft tokens per step (default: --draft-max, else ngram 8, draft 4)."
+    )
+
+
 class _Sampling(_Model):
     """Fields shared by completions and chat completions."""
 
@@ -175,6 +190,12 @@ class _Sampling(_Model):
         description="A selectable adapter (`toy serve --lora NAME=PATH`) for this request: its name, or "
         'llama-server\'s `[{"id", "scale"}]` (at most one with a non-zero scale). `model: "<model>:<name>"` '
         "does the same.",
+    )
+    speculative: Speculative | None = Field(
+        None,
+        description="toy extension: speculative decoding (default: the server's --speculative). Outputs are "
+        "exactly those of plain decoding; the response reports the drafts in timings (draft_n, draft_n_accepted) "
+        "and usage.completion_tokens_details.",
     )
     user: str | None = None  # ignored
 
@@ -315,6 +336,33 @@ class DetokenizeRequest(_Model):
     tokens: list[TokenId] = Field(max_length=MAX_IDS)
 
 
+class AdapterLoadRequest(_Model):
+    """``POST /v1/adapters``: load a LoRA adapter file while serving (toy extension)."""
+
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="The name requests use (model '<alias>:<name>' or the lora field): 1-64 letters, digits, "
+        "'_', '-' or '.'.",
+    )
+    path: str = Field(
+        min_length=1,
+        max_length=4096,
+        description="The adapter GGUF; it must resolve (symlinks followed) inside a folder given with "
+        "--adapter-dir. A relative path is looked up in those folders, in order.",
+    )
+    scale: float = Field(1.0, description="The user scale its terms are applied with (as --lora NAME=PATH:SCALE).")
+
+
+class SlotRequest(_Model):
+    """``POST /slots/{id_slot}?action=save|restore``: the slot file (llama-server's API)."""
+
+    filename: str | None = Field(
+        None,
+        max_length=255,
+        description="A bare file name inside the folder given with --slot-save-path (no path separators, no '..').",
+    )
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -376,7 +424,7 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     same = [e for e in errors if tuple(e.get("loc", ())[:2]) == field]
     e = next((x for x in same if not str(x.get("type", "")).endswith("_type")), errors[0])
     loc = list(e.get("loc", ()))
-    loc = loc[1:] if loc[:1] == ["body"] else loc
+    loc = loc[1:] if loc[:1] in (["body"], ["query"], ["path"]) else loc  # a path or query parameter: its name
     path: list[str] = []
     for part in loc:
         if _is_tag(part):
@@ -456,22 +504,31 @@ def _check_tools(req: ChatCompletionRequest) -> None:
         raise APIError(400, msg, param="tools")
 
 
+def speculative_of(req: _Sampling) -> dict[str, Any] | None:
+    """The request's ``speculative`` field as ``toy.engine.speculative.parse_speculative`` takes it (None: the
+    server's default)."""
+    return None if req.speculative is None else req.speculative.model_dump(exclude_none=True)
+
+
 def adapter_of(req: _Sampling, from_model: str | None, adapters: Any) -> str | None:
-    """The selectable adapter a request asks for (by ``model`` suffix and/or ``lora``), or None."""
-    names = [n for n, _, _ in adapters]
+    """The selectable adapter a request asks for (by ``model`` suffix and/or ``lora``), or None.
+    ``adapters``: (name, path, scale) by engine index, None where an unloaded adapter left a hole. A name
+    that is not loaded is a 404 ``model_not_found`` (as after ``DELETE /v1/adapters/{name}``)."""
+    names = [a[0] for a in adapters if a is not None]
     field: str | None = None
     if isinstance(req.lora, str):
         field = req.lora
         if field not in names:
             known = ", ".join(names) or "this server has none"
-            raise APIError(400, f"lora: no adapter named {field!r} ({known})", param="lora")
+            msg = f"lora: no adapter named {field!r} is loaded ({known})"
+            raise APIError(404, msg, param="lora", code="model_not_found")
     elif req.lora:
         used = [r for r in req.lora if r.scale is None or r.scale != 0]
         if len(used) > 1:
             raise APIError(400, "lora: one adapter per request (the others with scale 0)", param="lora")
         for r in used:
-            if r.id >= len(adapters):
-                raise APIError(400, f"lora: no adapter with id {r.id} ({len(adapters)} loaded)", param="lora")
+            if r.id >= len(adapters) or adapters[r.id] is None:
+                raise APIError(400, f"lora: no adapter with id {r.id} ({len(names)} loaded)", param="lora")
             name, _, scale = adapters[r.id]
             if r.scale is not None and r.scale != scale:
                 msg = f"lora: adapter {r.id} ({name}) is applied at its loaded scale {scale:g}, not {r.scale:g}"
@@ -629,6 +686,7 @@ def chat_logprob(tokenizer: Any, token_id: int, logprob: float, top: Any) -> dic
 
 __all__ = [
     "APIError",
+    "AdapterLoadRequest",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
@@ -642,6 +700,7 @@ __all__ = [
     "MessageToolCall",
     "NamedToolChoice",
     "LegacyLogprobs",
+    "SlotRequest",
     "StreamOptions",
     "TextPart",
     "TokenizeRequest",

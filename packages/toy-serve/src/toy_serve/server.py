@@ -27,6 +27,7 @@ ENDPOINTS = {
     "/tokenize",
     "/detokenize",
     "/tokenizer_info",
+    "/v1/adapters",
 }
 OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}
 LOGGED = {COMPLETIONS, CHAT, EMBEDDINGS}
@@ -36,6 +37,7 @@ DEFAULT_PARAM = {
     EMBEDDINGS: "input",
     "/tokenize": "content",
     "/detokenize": "tokens",
+    "/v1/adapters": "path",
 }
 POLL_S = 0.25
 
@@ -56,6 +58,10 @@ class Server:
         self.on_fatal: Any = None  # set by the CLI: called with the exception when loading fails
         self.n_requests = 0
         self.abandoned: int | None = None  # sequences ended by the shutdown (set once by abandon)
+        self.table: Any = None  # the selectable adapters (toy_serve.adapters.AdapterTable), once the worker runs
+        self.prefix: Any = None  # the prefix cache (toy.engine.prefix.PrefixCache), when on
+        self.fingerprint: Any = None  # what the model's K/V depend on (slot files, the cache's disk folder)
+        self.draft: Any = None  # the --draft-model (a toy.Model), loaded with the worker, closed after it
 
     def _load(self) -> Any:
         import toy
@@ -90,12 +96,61 @@ class Server:
         info["lora"] = [{"path": p, "scale": sc} for p, sc in self.adapters()]
         self.writer = RunWriter("serve", s.config(), root=s.runs_dir, model=info)
         try:
-            self.worker = EngineWorker(m, max_queue=s.max_queue, prefill_chunk=s.prefill_chunk, metrics=self.metrics)
+            self.prefix = self._prefix_cache(m)
+            self.draft = self._draft_model(m)
+            self.worker = EngineWorker(
+                m,
+                max_queue=s.max_queue,
+                prefill_chunk=s.prefill_chunk,
+                metrics=self.metrics,
+                prefix_cache=self.prefix,
+                draft=self.draft,
+                speculative=s.speculative,
+                draft_max=s.draft_max,
+            )
             self.worker.start()
+            from toy_serve.adapters import AdapterTable
+
+            self.table = AdapterTable(m, self.worker, s)
         except BaseException:
             self.writer.end("errored")
             raise
         self.status = "ok"
+
+    def _draft_model(self, m: Any) -> Any:
+        """The ``--draft-model`` loaded with the model's slots and context (None without one); its vocabulary
+        must be the model's (``toy.engine.speculative.check_vocab``)."""
+        s = self.settings
+        if s.draft_model is None:
+            return None
+        import toy
+        from toy.engine.speculative import check_vocab
+
+        d = toy.load(
+            s.draft_model, device=s.device, n_ctx=m.engine.n_ctx, threads=s.threads, n_slot=m.engine.n_slot, fetch=False
+        )
+        try:
+            check_vocab(d, m)
+        except BaseException:
+            d.close()
+            raise
+        return d
+
+    def _prefix_cache(self, m: Any) -> Any:
+        """The prefix cache the settings ask for (None when off, or when the KV cache is not in CPU memory)."""
+        from toy.engine.prefix import PrefixCache, fingerprint
+
+        s = self.settings
+        # the model file's sha256 only when files outlive the process (a folder of blocks, slot files)
+        self.fingerprint = fingerprint(m, full=bool(s.cache_dir or s.slot_save_path))
+        if s.cache_ram == 0:
+            return None
+        if m.engine.cache.device != "CPU":
+            log.warning("the prefix cache is CPU-only for now: off on %s", m.engine.cache.device)
+            return None
+        cache = PrefixCache(self.fingerprint, s.cache_ram << 20, s.cache_dir, s.cache_disk << 20)
+        self.metrics.watch_prefix_cache(lambda: cache.stats)
+        return cache
 
     async def start(self) -> None:
         try:
@@ -130,6 +185,9 @@ class Server:
         left = await self.abandon()
         if self.writer is not None:
             self.writer.end("completed", requests=self.n_requests, abandoned=left)
+        if self.draft is not None:
+            await asyncio.to_thread(self.draft.close)
+            self.draft = None
         if self.owns_model and self.model is not None:
             await asyncio.to_thread(self.model.close)
 
@@ -140,16 +198,41 @@ class Server:
             raise APIError(503, msg, type="server_error", code="model_loading" if self.status == "loading" else None)
         return self.model
 
+    def adapter_names(self) -> list[str]:
+        """The selectable adapters requests may name now (the settings' until the model is loaded)."""
+        if self.table is not None:
+            return [e.name for e in self.table.live()]
+        return [n for n, _, _ in self.settings.adapters]
+
+    def adapter_slots(self) -> list[Any]:
+        """(name, path, scale) of each selectable adapter at its engine index, None in the holes."""
+        if self.table is not None:
+            return self.table.by_index()
+        return list(self.settings.adapters)
+
+    def hold_adapter(self, name: str | None, request: Any) -> int | None:
+        """The engine index of adapter ``name`` (None: the base), held until ``request`` ends (404 when it is not
+        loaded); see ``toy_serve.adapters``."""
+        if name is None:
+            return None
+        return self.table.hold(name, request.scope.setdefault("toy.cleanup", []))
+
     def check_model(self, name: str | None) -> str | None:
-        """400 unless ``name`` is the served model or ``<model>:<adapter>``; returns the adapter's name or None."""
+        """The adapter's name when ``name`` is ``<model>:<adapter>`` (404 ``model_not_found`` when that adapter
+        is not loaded), None for the served model; 400 ``model_not_found`` for any other model."""
         if not name or name in self.names:
             return None
         base, sep, adapter = name.rpartition(":")
-        if sep and base in self.names and any(n == adapter for n, _, _ in self.settings.adapters):
-            return adapter
-        msg = f"model {name!r} is not served here (this server serves {self.settings.alias!r}"
-        if self.settings.adapters:
-            msg += ", with adapters " + ", ".join(f"{self.settings.alias}:{n}" for n, _, _ in self.settings.adapters)
+        names, alias = self.adapter_names(), self.settings.alias
+        if sep and base in self.names:
+            if adapter in names:
+                return adapter
+            known = ", ".join(f"{alias}:{n}" for n in names) or "none are loaded"
+            msg = f"adapter {name!r} is not loaded here (adapters: {known})"
+            raise APIError(404, msg, param="model", code="model_not_found")
+        msg = f"model {name!r} is not served here (this server serves {alias!r}"
+        if names:
+            msg += ", with adapters " + ", ".join(f"{alias}:{n}" for n in names)
         raise APIError(400, msg + ")", param="model", code="model_not_found")
 
     def log_request(self, rid: str, endpoint: str, status: int, stats: dict, duration: float) -> None:

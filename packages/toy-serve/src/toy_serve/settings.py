@@ -37,12 +37,27 @@ Decisions:
   (``toy.engine.llm``). ``--lora NAME=PATH[:SCALE]`` adds one (a value whose
   text before ``=`` is a name and that is not an existing file); names are
   1-64 letters, digits, ``_``, ``-`` or ``.``, each once.
+- ``adapter_dirs`` (``--adapter-dir``, repeatable): the only folders
+  ``POST /v1/adapters`` loads adapter files from (a path must resolve,
+  symlinks followed, inside one); none means loading at run time is off.
+  ``max_adapters`` (8) bounds the selectable adapters loaded at once through
+  the API (start-up ones count, but are never refused). Whether a folder
+  exists is not checked here: a missing one simply holds no file.
 - Connections (``toy_serve.conn``): request headers must arrive within
   ``header_timeout`` seconds (10) and a body within ``body_timeout`` (30)
   of its headers, else 408 and the connection closes; at most
   ``max_connections`` are open at once (503 beyond). None means the
   descriptor limit minus a reserve, at most 1000 (``connection_limit``
   says what it is); ``config()`` records the value given.
+- The prefix cache (``toy.engine.prefix``) gets ``cache_ram`` MB of RAM
+  (256; 0 turns it off, the disk tier with it) and, with ``cache_dir``, a
+  folder bounded to ``cache_disk`` MB (2048). ``slot_save_path`` is the
+  one folder slot save/restore files live in (None: the route answers 501).
+- Speculative decoding (``toy.engine.speculative``): ``speculative`` is
+  what a request without a ``speculative`` field gets (none); ``draft``
+  needs ``draft_model``, loaded at start-up with the same slots and context
+  (a request may ask for ``draft`` only when one was loaded). ``draft_max``
+  caps the draft tokens per step (None: ngram 8, draft 4).
 """
 
 from __future__ import annotations
@@ -181,6 +196,16 @@ class Settings:
     header_timeout: float = 10.0  # seconds for a request's headers to arrive (else 408, the connection closes)
     body_timeout: float = 30.0  # seconds for a request's body to arrive after its headers (else 408)
     max_connections: int | None = None  # open connections at most (503 beyond); None = from the descriptor limit
+    cache_ram: int = 256  # MB of RAM for the prefix cache's blocks; 0 turns the prefix cache off
+    cache_dir: str | None = None  # a folder the prefix cache spills blocks to (survives a restart); None = RAM only
+    cache_disk: int = 2048  # MB the cache folder may hold (least recently used blocks are deleted beyond)
+    slot_save_path: str | None = None  # the folder POST /slots/{id}?action=save|restore reads and writes
+    # folders POST /v1/adapters may load adapter files from (none: loading at run time is off, 403)
+    adapter_dirs: tuple[str, ...] = ()
+    max_adapters: int = 8  # selectable adapters loaded at once beyond which POST /v1/adapters answers 409
+    speculative: str = "none"  # the default speculation of requests: none, ngram or draft (needs draft_model)
+    draft_model: str | None = None  # a GGUF with the model's vocabulary, drafting for "draft" speculation
+    draft_max: int | None = None  # most draft tokens per step; None = the kind's default (ngram 8, draft 4)
 
     def __post_init__(self) -> None:
         if isinstance(self.model, Path):
@@ -212,7 +237,25 @@ class Settings:
         _seconds("body_timeout", self.body_timeout, MIN_TIMEOUT)
         _int("max_connections", self.max_connections, 1, 1_000_000, optional=True)
         _str("runs_dir", self.runs_dir, optional=True)
+        _int("cache_ram", self.cache_ram, 0, 1 << 30)
+        _int("cache_disk", self.cache_disk, 0, 1 << 30)
+        _str("cache_dir", self.cache_dir, optional=True)
+        _str("slot_save_path", self.slot_save_path, optional=True)
         _str("model_alias", self.model_alias, optional=True)
+        if isinstance(self.adapter_dirs, (str, Path)):
+            object.__setattr__(self, "adapter_dirs", (self.adapter_dirs,))
+        object.__setattr__(self, "adapter_dirs", tuple(str(d) for d in self.adapter_dirs or ()))
+        for d in self.adapter_dirs:
+            _str("adapter_dirs", d)
+        _int("max_adapters", self.max_adapters, 1, 4096)
+        if self.speculative not in ("none", "ngram", "draft"):
+            msg = f"speculative={self.speculative!r} must be none, ngram or draft"
+            raise BadInputError(msg, field="speculative")
+        _str("draft_model", self.draft_model, optional=True)
+        if self.speculative == "draft" and self.draft_model is None:
+            msg = "speculative=draft needs a draft model"
+            raise BadInputError(msg, hint="give one with --draft-model PATH", field="draft_model")
+        _int("draft_max", self.draft_max, 1, 64, optional=True)
 
     @property
     def alias(self) -> str:
