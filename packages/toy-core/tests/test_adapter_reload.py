@@ -190,3 +190,26 @@ def test_prepare_off_thread_then_attach(tiny):
             m.attach_adapter(other)
         assert other.context is None
         assert m.generate(IDS[:8], temperature=0, max_tokens=3, ignore_eos=True, adapter="b").tokens == want
+
+
+def test_an_adapter_no_row_uses_is_left_out_of_the_graph(tiny):
+    """With adapters loaded but used by no sequence of a step, the step's graph has no adapter products (it is
+    the same size as a model's without adapters) and its logits equal the base model's alone, bit for bit; once a
+    row uses one, that adapter (only) joins the graph."""
+    path, files = tiny
+    want = alone(path, None, IDS[:9])[0]
+    with toy.load(path, **KW) as plain:
+        plain.engine.prefill(0, IDS[:9])
+        base_nodes = max(g.graph.n_nodes for g in plain.engine._graphs.values())
+    with toy.load(path, adapters={"a": files["a"], "b": files["b"]}, n_slot=2, **KW) as m:
+        eng = m.engine
+        rows = [eng.prefill(0, IDS[:9])]
+        for _ in range(5):
+            rows.append(eng.decode([0], [int(np.argmax(rows[-1]))])[0])
+        assert np.array_equal(np.stack(rows), want)
+        assert max(g.graph.n_nodes for g in eng._graphs.values()) == base_nodes
+        eng.slot_adapter[1] = m.adapter_index("b")
+        eng.prefill(1, IDS[:4])
+        key = next(k for k in eng._graphs if k[0] == "prefill" and k[1] == 1)
+        assert key[-1] == (m.adapter_index("b"),)
+        assert eng._graphs[key].graph.n_nodes > base_nodes

@@ -47,13 +47,15 @@ products like any other, so the row-invariance rules above hold for them.
 Selectable adapters (``adapters``, optional): a list of term maps like
 ``lora``, one per adapter, of which each sequence uses at most one, chosen by
 ``slot_adapter[slot]`` (an index into ``adapters``, or None for the base).
-Every graph computes every selectable adapter's terms for all its rows, each
-with its input multiplied by a per-row 0/1 feed (``lsel{j}``, set from the
-rows' slots at each compute): a row multiplied by 1 gives exactly the bits
-of that adapter applied alone (x · 1 = x), a row multiplied by 0 adds an
-exact zero. So sequences with different adapters (and without one) decode in
-one graph and each gets the output it would get alone. The cost: each
-adapter's products run over every row. ``add_adapter`` / ``remove_adapter``
+A graph computes the terms of every selectable adapter that one of its rows
+uses (the set is part of the graph's key; an adapter no row uses is left
+out, so a loaded but idle adapter costs nothing), each for all its rows with
+its input multiplied by a per-row 0/1 feed (``lsel{j}``, set from the rows'
+slots at each compute): a row multiplied by 1 gives exactly the bits of that
+adapter applied alone (x · 1 = x), a row multiplied by 0 adds an exact zero.
+So sequences with different adapters (and without one) decode in one graph
+and each gets the output it would get alone. The cost: each used adapter's
+products run over every row of the step. ``add_adapter`` / ``remove_adapter``
 change the set between steps (``toy.Model.load_adapter`` /
 ``unload_adapter``): indices stay stable (a removed adapter leaves a hole,
 None, that a later add fills), every cached graph is dropped (graphs hold the
@@ -174,6 +176,7 @@ class LLMEngine:
         self.adapters: list[dict | None] = [{n: list(t) for n, t in a.items() if t} for a in adapters or ()]
         self.slot_adapter: list[int | None] = [None] * n_slot
         self._lora_ops = self._count_lora_ops()
+        self._graph_adapters: tuple[int, ...] = ()  # the adapters the graph being built computes (_use_adapters)
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.stats = EngineStats()
 
@@ -186,6 +189,13 @@ class LLMEngine:
 
     def _live_adapters(self) -> list[int]:
         return [j for j, a in enumerate(self.adapters) if a is not None]
+
+    def _use_adapters(self, slots) -> tuple[int, ...]:
+        """The selectable adapters the rows of a step over ``slots`` use (what its graph computes, and part of its
+        key): an adapter no row uses would only add exact zeros at the cost of its products, so it is left out."""
+        used = {self.slot_adapter[s] for s in slots}
+        self._graph_adapters = tuple(j for j in self._live_adapters() if j in used)
+        return self._graph_adapters
 
     def _adapters_changed(self) -> None:
         """Graphs reference the adapters' tensors and feeds: drop them all."""
@@ -331,7 +341,7 @@ class LLMEngine:
                 feeds[name] = cin.tensor(mtype, shape, name=name)
         if n_out < n:
             feeds["out_idx"] = cin.tensor(I32, (n_out,), name="out_idx")
-        for j in self._live_adapters():
+        for j in self._graph_adapters:
             feeds[f"lsel{j}"] = cin.tensor(F32, (n, 1), name=f"lsel{j}")
             if n_out < n:  # the layers after the output rows are picked (the last one) see n_out rows
                 feeds[f"lsel{j}.out"] = cin.tensor(F32, (n_out, 1), name=f"lsel{j}.out")
@@ -341,12 +351,12 @@ class LLMEngine:
 
     def _lora_terms(self, feeds) -> dict | None:
         """The graph's LoRA terms: the always-applied ones, then each selectable adapter's with its row feed."""
-        if not self._live_adapters():
+        if not self._graph_adapters:
             return self.lora
         terms = {name: list(t) for name, t in (self.lora or {}).items()}
-        for j, adapter in enumerate(self.adapters):
-            if adapter is None:  # an index a removed adapter left
-                continue
+        for j in self._graph_adapters:
+            adapter = self.adapters[j]
+            assert adapter is not None  # _use_adapters picks live ones
             for name, ts in adapter.items():
                 rows = tuple(f for f in (feeds[f"lsel{j}"], feeds.get(f"lsel{j}.out")) if f is not None)
                 terms.setdefault(name, []).extend((a, b, s, rows) for a, b, s, _ in ts)
@@ -369,7 +379,7 @@ class LLMEngine:
         return g
 
     def _prefill_graph(self, slot: int, n: int, n_kv: int, n_out: int, hidden: bool = False) -> _Graph:
-        key = ("prefill", slot, n, n_kv, n_out, hidden)
+        key = ("prefill", slot, n, n_kv, n_out, hidden, self._use_adapters((slot,)))
         g = self._graphs.get(key)
         if g is not None:
             self._graphs.move_to_end(key)
@@ -398,7 +408,8 @@ class LLMEngine:
 
     def _decode_graph(self, slots: tuple[int, ...], n_kvs: tuple[int, ...]) -> _Graph:
         one = self._one_attention(slots)
-        key = ("decode1", slots, max(n_kvs)) if one else ("decode", slots, n_kvs)
+        used = self._use_adapters(slots)
+        key = ("decode1", slots, max(n_kvs), used) if one else ("decode", slots, n_kvs, used)
         g = self._graphs.get(key)
         if g is not None:
             self._graphs.move_to_end(key)
@@ -438,7 +449,7 @@ class LLMEngine:
     def _verify_graph(self, slots: tuple[int, ...], ns: tuple[int, ...], n_kvs: tuple[int, ...]) -> _Graph:
         """``verify``'s graph: sequence j's ns[j] rows (consecutive) attend over its own slot with its own causal
         mask (ns[j], n_kvs[j]); every product row-invariant; logits of every row."""
-        key = ("verify", slots, ns, n_kvs)
+        key = ("verify", slots, ns, n_kvs, self._use_adapters(slots))
         g = self._graphs.get(key)
         if g is not None:
             self._graphs.move_to_end(key)
@@ -493,7 +504,7 @@ class LLMEngine:
                 f[self._mask_name(j, w)].set(make(window))
         if out_idx is not None:
             f["out_idx"].set(out_idx)
-        live = self._live_adapters()
+        live = [j for j in self._live_adapters() if f"lsel{j}" in f]  # the adapters this graph computes
         if live:
             chosen = np.array([-1 if self.slot_adapter[s] is None else self.slot_adapter[s] for s in slots])
             for j in live:
