@@ -158,7 +158,10 @@ def test_slot_route_errors(live, folders, serve_model):
         r = post(url, json=body, headers=AUTH)
         assert r.status_code == status, (url, body, r.text)
         assert r.json()["error"]["param"] == param, (url, r.json())
-    assert not any(p.name == "x.bin" for p in folders[1].parent.rglob("x.bin"))
+    # nothing was written: not beside the slot folder ("../x.bin"), not in a subfolder, not by the unknown action
+    # (only these paths: the session's other tests write into the same temporary root)
+    assert not (folders[1].parent / "x.bin").exists()
+    assert not (folders[1] / "a").exists() and not (folders[1] / "x.bin").exists()
 
     # a file saved for another KV setup: 400 naming what differs
     fp = fingerprint(serve_model, full=True)
