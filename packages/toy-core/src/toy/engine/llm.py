@@ -407,44 +407,28 @@ class LLMEngine:
         return self._finish(key, cin, feeds, ops, size, out)
 
     def _decode_graph(self, slots: tuple[int, ...], n_kvs: tuple[int, ...]) -> _Graph:
-        one = self._one_attention(slots)
-        used = self._use_adapters(slots)
-        key = ("decode1", slots, max(n_kvs), used) if one else ("decode", slots, n_kvs, used)
+        S = len(slots)
+        if not self._one_attention(slots):  # each sequence over its own slot: verify's graph, one row per sequence
+            return self._verify_graph(slots, (1,) * S, n_kvs)
+        key = ("decode1", slots, max(n_kvs), self._use_adapters(slots))
         g = self._graphs.get(key)
         if g is not None:
             self._graphs.move_to_end(key)
             return g
-        S = len(slots)
         H, D = self.cfg.n_head, self.cfg.head_dim
-        if one:
-            n_kv = max(n_kvs)
-            cin, feeds, ops, size = self._new_graph(S, [(S, 1, 1, n_kv)], S)
+        n_kv = max(n_kvs)
+        cin, feeds, ops, size = self._new_graph(S, [(S, 1, 1, n_kv)], S)
 
-            def attend(layer, q, k, v):  # every sequence in one 4-D attention over consecutive slots
-                kc, vc = self._write(ops, layer, k, v, feeds, S)
-                kv, vv = self._slot_views(ops, layer, kc, vc, slots[0], S, n_kv)
-                q4 = ops.reshape(q, (S, H, 1, D))
-                scale, cap = self.arch.attention_scale(self.cfg, layer), self.arch.attention_softcap(self.cfg, layer)
-                kq, scale = soft_capped(ops, ops.mul_mat(kv, q4, row_invariant=True), scale, cap)
-                kq = ops.soft_max(kq, self._layer_mask(feeds, 0, layer), scale)
-                return ops.reshape(ops.mul_mat(vv, kq, row_invariant=True), (S, H * D))  # (S, H, 1, D)
-
-            return self._finish(key, cin, feeds, ops, size, self._decode_forward(ops, feeds, attend))
-        cin, feeds, ops, size = self._new_graph(S, [(1, n) for n in n_kvs], S)
-
-        def attend_each(layer, q, k, v):  # each sequence over its own slot
+        def attend(layer, q, k, v):  # every sequence in one 4-D attention over consecutive slots
             kc, vc = self._write(ops, layer, k, v, feeds, S)
-            outs = []
-            for j, (slot, n_kv) in enumerate(zip(slots, n_kvs)):
-                kv, vv = self._views(ops, layer, kc, vc, slot, n_kv)
-                qj = ops.view(q, (H, 1, D), strides=(D * 4, H * D * 4, 4), offset=j * H * D * 4)  # (H, 1, D)
-                outs.append(self._attend(ops, layer, qj, kv, vv, self._layer_mask(feeds, j, layer), True))
-            a = outs[0]
-            for o in outs[1:]:
-                a = ops.concat(a, o, 0)
-            return a
+            kv, vv = self._slot_views(ops, layer, kc, vc, slots[0], S, n_kv)
+            q4 = ops.reshape(q, (S, H, 1, D))
+            scale, cap = self.arch.attention_scale(self.cfg, layer), self.arch.attention_softcap(self.cfg, layer)
+            kq, scale = soft_capped(ops, ops.mul_mat(kv, q4, row_invariant=True), scale, cap)
+            kq = ops.soft_max(kq, self._layer_mask(feeds, 0, layer), scale)
+            return ops.reshape(ops.mul_mat(vv, kq, row_invariant=True), (S, H * D))  # (S, H, 1, D)
 
-        return self._finish(key, cin, feeds, ops, size, self._decode_forward(ops, feeds, attend_each))
+        return self._finish(key, cin, feeds, ops, size, self._decode_forward(ops, feeds, attend))
 
     def _verify_graph(self, slots: tuple[int, ...], ns: tuple[int, ...], n_kvs: tuple[int, ...]) -> _Graph:
         """``verify``'s graph: sequence j's ns[j] rows (consecutive) attend over its own slot with its own causal
