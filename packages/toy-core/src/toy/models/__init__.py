@@ -76,7 +76,10 @@ not all alike (Gemma):
   table of families.
 
 Shared graph pieces (masks, KV padding, the attention core, batched training
-attention) live once in ``toy.models.common``.
+attention) live once in ``toy.models.common``; the load-time checks of what a
+file declares (counts within bounds, the block count against the blocks
+present, every dimension against the tensors), which every
+``config_from_metadata`` runs, in ``toy.models.validate``.
 
 Architectures from other distributions
 --------------------------------------

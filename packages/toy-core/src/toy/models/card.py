@@ -34,6 +34,7 @@ False`` in its summary and no LM-only fields (vocabulary, head tying), so
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -107,6 +108,8 @@ def _scalar(v: Any) -> Any:
 
 def _int(v: Any) -> int | None:
     v = _scalar(v)
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # NaN or infinity is no count (the config readers refuse it, naming the key)
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 

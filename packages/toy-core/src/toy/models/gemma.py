@@ -50,7 +50,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from toy.models import LMArchitecture, LoraTarget, ParamInfo, UnsupportedModelError
+from toy.models import LMArchitecture, LoraTarget, ParamInfo, UnsupportedModelError, validate
 from toy.models.card import Lines
 from toy.models.common import (
     final_softcapped,
@@ -140,6 +140,8 @@ class GemmaConfig:
                 hint="toy runs Gemma's text model: use a text-only GGUF (llama.cpp keeps the vision tower in a separate mmproj file)",
             )
 
+        validate.check_counts(arch, metadata)  # before any count sizes a loop (toy.models.validate)
+
         def key(suffix: str):
             return metadata.get(f"{arch}.{suffix}")
 
@@ -156,12 +158,19 @@ class GemmaConfig:
         if missing:
             raise UnsupportedModelError(f"{arch} metadata lacks {', '.join(f'{arch}.{k}' for k in missing)}")
         n_layer, d, H, d_ff = (int(dims[k]) for k in dims)
+        validate.require(arch, ("token_embd.weight", "output_norm.weight"), tensors)  # before the blocks
+        validate.check_blocks(f"{arch}.block_count", n_layer, tensors)
         Hkv = int(num("attention.head_count_kv", H))
         if H < 1 or Hkv < 1 or H % Hkv:
-            raise UnsupportedModelError(f"head_count {H} is not a multiple of head_count_kv {Hkv}")
+            raise UnsupportedModelError(
+                f"{arch}.attention.head_count = {H} is not a multiple of {arch}.attention.head_count_kv = {Hkv}"
+            )
         D = int(num("attention.key_length", d // H))
         if int(num("attention.value_length", D)) != D:
-            raise UnsupportedModelError(f"value head size {num('attention.value_length')} != key head size {D}")
+            raise UnsupportedModelError(
+                f"{arch}.attention.value_length = {num('attention.value_length')} != the key head size {D} "
+                f"({arch}.attention.key_length)"
+            )
         qk_norm = arch == "gemma3"
         need = ["token_embd.weight", "output_norm.weight"]
         for i in range(n_layer):
@@ -183,8 +192,14 @@ class GemmaConfig:
         if not window:
             swa: tuple[bool, ...] = ()
         elif pattern is None or isinstance(pattern, (int, float)) and not isinstance(pattern, bool):
-            n = int(pattern) if pattern is not None else period
+            n = validate.whole(metadata, f"{arch}.attention.sliding_window_pattern", 0, validate.LIMITS["context"])
+            n = period if n is None else n
             swa = tuple(n == 0 or i % n < n - 1 for i in range(n_layer))
+        elif isinstance(pattern, (bool, str, bytes)) or not hasattr(pattern, "__len__"):
+            raise UnsupportedModelError(
+                f"{arch}.attention.sliding_window_pattern = {validate.show(pattern)}: expected a period "
+                "or one boolean per layer"
+            )
         else:
             swa = tuple(bool(x) for x in pattern)
             if len(swa) != n_layer:
@@ -223,7 +238,7 @@ class GemmaConfig:
             raise UnsupportedModelError(f"soft-caps must be >= 0 (attention {attn_cap}, final {final_cap})")
         vocab = num("vocab_size")
         ctx = num("context_length")
-        return cls(
+        cfg = cls(
             n_vocab=int(vocab) if vocab is not None else int(tensors["token_embd.weight"].shape[0]),
             d_model=d,
             n_layer=n_layer,
@@ -244,6 +259,9 @@ class GemmaConfig:
             context_length=int(ctx) if ctx is not None else None,
             architecture=arch,
         )
+        validate.check_shapes(arch, params(cfg), tensors, validate.lm_sources(arch, metadata, cfg), validate.LM_AXES)
+        validate.check_vocab(arch, metadata, cfg.n_vocab)
+        return cfg
 
 
 def forward(

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from toy.errors import ConfigError
-from toy.models import LMArchitecture, LoraTarget, ParamInfo, Traits, UnsupportedModelError
+from toy.models import LMArchitecture, LoraTarget, ParamInfo, Traits, UnsupportedModelError, validate
 from toy.models.card import decoder_card
 from toy.models.common import gelu_tanh, lora_linear, uint32_counts
 
@@ -76,6 +76,7 @@ class GPT2Config:
         a = metadata.get("general.architecture")
         if a != "gpt2":
             raise UnsupportedModelError(f"architecture {a!r} is not gpt2")
+        validate.check_counts("gpt2", metadata)  # before any count sizes a loop (toy.models.validate)
 
         def num(key: str):
             v = metadata.get(f"gpt2.{key}")
@@ -86,6 +87,9 @@ class GPT2Config:
         if missing:
             raise UnsupportedModelError(f"gpt2 metadata lacks {', '.join(f'gpt2.{k}' for k in missing)}")
         n_layer, d, n_head, ctx = (int(dims[k]) for k in dims)
+        global_tensors = ("token_embd.weight", "position_embd.weight", "output_norm.weight", "output_norm.bias")
+        validate.require("gpt2", global_tensors, tensors)  # before the blocks
+        validate.check_blocks("gpt2.block_count", n_layer, tensors)
         if n_head < 1 or d % n_head:
             raise UnsupportedModelError(f"gpt2.embedding_length {d} is not a multiple of head_count {n_head}")
         kv = num("attention.head_count_kv")
@@ -103,7 +107,7 @@ class GPT2Config:
         ff = num("feed_forward_length")
         d_ff = int(ff) if ff is not None else int(tensors["blk.0.ffn_up.weight"].shape[0])
         eps = num("attention.layer_norm_epsilon")
-        return cls(
+        cfg = cls(
             n_vocab=int(vocab) if vocab is not None else int(emb[0]),
             d_model=d,
             n_layer=n_layer,
@@ -114,6 +118,11 @@ class GPT2Config:
             tied_output="output.weight" not in tensors,
             context_length=min(ctx, n_pos),
         )
+        validate.check_shapes(
+            "gpt2", params(cfg), tensors, validate.lm_sources("gpt2", metadata, cfg), validate.LM_AXES
+        )
+        validate.check_vocab("gpt2", metadata, cfg.n_vocab)
+        return cfg
 
     @classmethod
     def from_gguf(cls, gf) -> GPT2Config:

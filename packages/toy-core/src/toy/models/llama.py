@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from toy.models import LMArchitecture, LoraTarget, ParamInfo, Traits, UnsupportedModelError, moe
+from toy.models import LMArchitecture, LoraTarget, ParamInfo, Traits, UnsupportedModelError, moe, validate
 from toy.models.card import decoder_card, summary_from
 from toy.models.common import lora_linear, shape_metadata, train_shape_fields, uint32_counts
 
@@ -116,6 +116,7 @@ class LlamaConfig:
                 f"architecture {arch!r} is not a llama-family model",
                 hint=f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}",
             )
+        validate.check_counts(arch, metadata)  # before any count sizes a loop (toy.models.validate)
         s = summary_from(metadata, tensors)
         missing_keys = [
             k
@@ -133,12 +134,16 @@ class LlamaConfig:
         # embedding_length / head_count) and, every llama-family name having rotary positions (_TRAITS), the rope
         assert s.n_layer is not None and s.d_model is not None and s.n_head is not None and s.d_ff is not None
         assert s.n_head_kv is not None and s.head_dim is not None
+        validate.require(arch, ("token_embd.weight", "output_norm.weight"), tensors)  # before the blocks
+        validate.check_blocks(f"{arch}.block_count", s.n_layer, tensors)
         if s.rope_base is None or s.rope_dims is None:  # summary_from leaves them unset for learned positions
             raise UnsupportedModelError(
                 f"the {arch} model carries position_embd.weight (learned positions); llama-family models rotate"
             )
         if s.per_layer:
-            raise UnsupportedModelError(f"per-layer {', '.join(s.per_layer)} is not supported")
+            raise UnsupportedModelError(
+                f"per-layer values of {', '.join(f'{arch}.{k}' for k in s.per_layer)} are not supported"
+            )
         rope = _rope_scaling(arch, metadata, s, "rope_freqs.weight" in tensors)
         moe_fields = moe.config_fields(arch, metadata, tensors, s.d_ff, _TRAITS[arch])
         if arch in MOE_ARCHITECTURES and not moe_fields:
@@ -147,7 +152,8 @@ class LlamaConfig:
             raise UnsupportedModelError("a fused attn_qkv tensor is not supported (expected attn_q/attn_k/attn_v)")
         if s.head_dim_v not in (None, s.head_dim):
             raise UnsupportedModelError(
-                f"value head size {s.head_dim_v} != key head size {s.head_dim} is not supported"
+                f"{arch}.attention.value_length = {s.head_dim_v} != the key head size {s.head_dim} "
+                f"({arch}.attention.key_length) is not supported"
             )
         need = ["token_embd.weight", "output_norm.weight"]
         ffn_names = moe.layer_tensors(_Shared(moe_fields.get("d_ff_shared", 0))) if moe_fields else _DENSE_FFN_TENSORS
@@ -162,9 +168,12 @@ class LlamaConfig:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise UnsupportedModelError(f"the {arch} model lacks tensor {missing[0]!r}{more}")
         if s.n_head % s.n_head_kv:
-            raise UnsupportedModelError(f"head_count {s.n_head} is not a multiple of head_count_kv {s.n_head_kv}")
+            raise UnsupportedModelError(
+                f"{arch}.attention.head_count = {s.n_head} is not a multiple of "
+                f"{arch}.attention.head_count_kv = {s.n_head_kv}"
+            )
         vocab = s.vocab if s.vocab is not None else int(tensors["token_embd.weight"].shape[0])
-        return cls(
+        cfg = cls(
             n_vocab=vocab,
             d_model=s.d_model,
             n_layer=s.n_layer,
@@ -185,6 +194,14 @@ class LlamaConfig:
             **rope,
             **moe_fields,
         )
+        validate.check_shapes(arch, params(cfg), tensors, validate.lm_sources(arch, metadata, cfg), validate.LM_AXES)
+        validate.check_vocab(arch, metadata, cfg.n_vocab)
+        if s.rope_dims % 2 or s.rope_dims > s.head_dim:
+            raise UnsupportedModelError(
+                f"{arch}.rope.dimension_count = {s.rope_dims}: RoPE rotates pairs of a head's values, so it must be "
+                f"even and at most the head size {s.head_dim}"
+            )
+        return cfg
 
     @classmethod
     def from_gguf(cls, gf) -> LlamaConfig:
