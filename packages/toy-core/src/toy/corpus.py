@@ -16,6 +16,14 @@ Decisions:
   such a point is cut at a newline (or a character boundary) instead, which
   bounds memory.
 
+- A JSONL line is read with a bound (``toy.inputs.max_record_bytes``: 64 MiB
+  unless ``TOY_MAX_RECORD_BYTES`` says otherwise); a longer one is refused
+  naming the file and line. A path that is not a regular file (a FIFO, a
+  device, also one found in a folder) is refused before it is opened.
+- ``iter_text`` gives a corpus as text blocks cut only at character
+  boundaries (for callers that join them and cut their own pieces, such as
+  ``toy.eval``'s reader, which stops reading once it has enough tokens).
+
 Invariants: bad input raises ``DataError`` naming the file (and the 1-based
 JSONL line); nothing here tokenizes (this module sits below the tokenizer in
 the layer table of ``docs/concepts/architecture.md``).
@@ -23,12 +31,15 @@ the layer table of ``docs/concepts/architecture.md``).
 
 from __future__ import annotations
 
+import codecs
+import itertools
 import json
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from toy.errors import DataError
+from toy.inputs import max_record_bytes, read_line, regular_file
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text", ".jsonl")
 CHUNK_BYTES = 1 << 20
@@ -50,10 +61,11 @@ def corpus_files(paths: Paths) -> list[Path]:
                 found += [Path(root, n) for n in names if not n.startswith(".") and n.lower().endswith(TEXT_SUFFIXES)]
             if not found:
                 raise DataError(f"{p}: the folder holds no {' '.join(TEXT_SUFFIXES)} files")
-            files += sorted(found, key=lambda f: f.relative_to(p).parts)
+            files += [regular_file(f) for f in sorted(found, key=lambda f: f.relative_to(p).parts)]
         elif p.is_file():
             files.append(p)
         elif p.exists():
+            regular_file(p)  # raises, saying what it is
             raise DataError(f"{p}: not a regular file or folder")
         else:
             raise DataError(f"{p}: no such file or folder")
@@ -81,10 +93,13 @@ def read_error(path: Path, e: OSError) -> DataError:
 
 def _jsonl_docs(path: Path) -> Iterator[tuple[str, str, int]]:
     """(source, text, bytes consumed since the previous yield) per document."""
-    pending = 0
+    pending, limit = 0, max_record_bytes()
     try:
-        with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
+        with open(regular_file(path), "rb") as f:
+            for lineno in itertools.count(1):
+                raw = read_line(f, f"{path}:{lineno}", limit)
+                if not raw:
+                    break
                 pending += len(raw)
                 if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
                     raw = raw[3:]
@@ -193,6 +208,43 @@ def iter_chunks(paths: Paths, chunk_bytes: int | None = CHUNK_BYTES) -> Iterator
                 yield str(path), text, last, nbytes
 
 
+def _text_blocks(path: Path, block_bytes: int) -> Iterator[str]:
+    """A plain-text file's text in blocks of about ``block_bytes``, cut at character boundaries."""
+    dec = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    try:
+        with open(regular_file(path), "rb") as f:
+            while True:
+                block = f.read(block_bytes)
+                if offset == 0 and block.startswith(b"\xef\xbb\xbf"):
+                    block, offset = block[3:], 3
+                try:
+                    text = dec.decode(block, final=not block)
+                except UnicodeDecodeError as e:
+                    start = offset - len(dec.getstate()[0]) + e.start
+                    raise DataError(f"{path}: not valid UTF-8 text (byte {start})") from None
+                offset += len(block)
+                if text:
+                    yield text
+                if not block:
+                    return
+    except OSError as e:
+        raise read_error(path, e) from None
+
+
+def iter_text(paths: Paths, block_bytes: int = CHUNK_BYTES) -> Iterator[tuple[str, str, bool]]:
+    """(source, text, starts a document) for the non-empty documents of the corpus in reading order: a
+    JSONL document in one block, a plain-text file in blocks of about ``block_bytes`` bytes cut at
+    character boundaries only (not where tokens are safe: join them before tokenizing)."""
+    for path in corpus_files(paths):
+        if is_jsonl(path):
+            for source, text, _ in _jsonl_docs(path):
+                yield source, text, True
+            continue
+        for i, text in enumerate(_text_blocks(path, block_bytes)):
+            yield str(path), text, i == 0
+
+
 def iter_documents(paths: Paths) -> Iterator[tuple[str, str]]:
     """(source, text) for every non-empty document of the corpus."""
     for path in corpus_files(paths):
@@ -201,7 +253,7 @@ def iter_documents(paths: Paths) -> Iterator[tuple[str, str]]:
                 yield source, text
             continue
         try:
-            raw = path.read_bytes()
+            raw = regular_file(path).read_bytes()
         except OSError as e:
             raise read_error(path, e) from None
         skip = 3 if raw.startswith(b"\xef\xbb\xbf") else 0
@@ -219,5 +271,6 @@ __all__ = [
     "is_jsonl",
     "iter_chunks",
     "iter_documents",
+    "iter_text",
     "read_error",
 ]

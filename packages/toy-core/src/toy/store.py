@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from toy.errors import ToyError
+from toy.inputs import regular_file
 
 if TYPE_CHECKING:
     from toy.gguf.reader import GGUFFile
@@ -192,6 +193,8 @@ def _walk(root: Path) -> Iterator[Path]:
 
 
 def _has_magic(path: Path) -> bool:
+    if not path.is_file():  # a FIFO or a device found in a scanned folder is never opened
+        return False
     try:
         with open(path, "rb") as f:
             return f.read(4) == GGUF_MAGIC
@@ -335,8 +338,9 @@ def _sha256_file(path: Path, progress: Progress | None = None, phase: str = "ver
 
 def sha256_file(path: str | os.PathLike[str]) -> str:
     """The sha256 of a file, read in chunks (what a fetch verifies; fine-tuning
-    runs record their base's)."""
-    return _sha256_file(Path(path))
+    runs record their base's). A path that is not a regular file is refused
+    before it is opened (``toy.inputs.regular_file``)."""
+    return _sha256_file(regular_file(path))
 
 
 def _write_stamp(path: Path, sha256: str) -> None:

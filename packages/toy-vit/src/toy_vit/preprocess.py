@@ -22,6 +22,18 @@ Decisions:
   first frame of an animated file. A file is checked with ``verify()`` (PNG
   chunk CRCs) and then fully decoded with ``load()``, so a truncated or corrupt
   file fails here with a ``DataError`` naming it, never later.
+- Pixel limit: a file whose header declares more than ``max_pixels()`` pixels
+  (``MAX_PIXELS``, 50 megapixels, a 48 MP photo fits; the
+  ``TOY_VIT_MAX_PIXELS`` environment variable changes it) is refused with a
+  ``DataError`` naming the file and its declared size, before any pixel is
+  decoded: the size comes from the header alone, so a 900-byte file declaring
+  12000 x 12000 costs milliseconds, not a 1 GB decode. Pillow's own
+  ``DecompressionBombWarning`` is silenced in favour of that error (its
+  ``DecompressionBombError`` becomes the same message). A ViT reads
+  224 x 224 or so; the limit only keeps a hostile header from costing
+  gigabytes.
+- Paths that are not regular files (a FIFO, ``/dev/zero``) are refused
+  before they are opened (``toy.inputs.regular_file``).
 - EXIF orientation is applied (``ImageOps.exif_transpose``), as transformers'
   ``load_image`` (the image-classification pipeline) does.
 - Alpha is dropped, not composited: RGBA/LA/transparent-palette pixels keep
@@ -48,6 +60,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -55,6 +68,12 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from toy.errors import DataError as DataError  # toy's one DataError (toy.train.data raises it too); re-exported here
+from toy.inputs import regular_file
+
+#: the default most pixels (width x height) an image file may declare
+MAX_PIXELS = 50_000_000
+#: the environment variable that overrides ``MAX_PIXELS`` (a positive integer)
+PIXELS_ENV = "TOY_VIT_MAX_PIXELS"
 
 FORMATS = ("PNG", "JPEG", "WEBP", "BMP")
 SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -106,26 +125,74 @@ def _from_array(a: np.ndarray, channels: int) -> Image.Image:
     return _convert(Image.fromarray(np.ascontiguousarray(a)), channels, where)
 
 
+def max_pixels() -> int:
+    """The most pixels an image file may declare: ``TOY_VIT_MAX_PIXELS`` when set, else ``MAX_PIXELS``."""
+    raw = os.environ.get(PIXELS_ENV, "").strip()
+    if not raw:
+        return MAX_PIXELS
+    try:
+        value = int(raw.replace("_", ""))
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise DataError(f"{PIXELS_ENV}={raw!r} must be a positive number of pixels", field=PIXELS_ENV)
+    return value
+
+
+def _declared_size(path: Path) -> tuple[int, int] | None:
+    """Width and height from the file's header alone (Pillow's format plugins parse only the header when
+    an image is opened; called directly they skip Pillow's own pixel-count check), or None."""
+    Image.init()
+    with open(path, "rb") as fp:
+        head = fp.read(16)
+        for fmt in FORMATS:
+            factory, accept = Image.OPEN.get(fmt, (None, None))
+            if factory is None or (accept is not None and not accept(head)):
+                continue
+            fp.seek(0)
+            try:
+                return factory(fp, str(path)).size
+            except Exception:  # not this format, or a header Pillow rejects (reported by the open below)
+                continue
+    return None
+
+
+def _too_big(path: Path, size: tuple[int, int], limit: int) -> DataError:
+    w, h = size
+    return DataError(
+        f"{path}: the image declares {w} x {h} = {w * h:,} pixels, more than the {limit:,} allowed",
+        hint=f"use a smaller image (a ViT reads about 224 x 224), or raise the limit with {PIXELS_ENV}=PIXELS",
+    )
+
+
 def decode_file(path: str | os.PathLike) -> Image.Image:
     """The file's image, verified and fully decoded, EXIF orientation applied,
-    in the mode the file has (not yet converted)."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"{path}: no such file")
-    if not path.is_file():
-        raise DataError(f"{path}: not a regular file")
+    in the mode the file has (not yet converted); refused before decoding when
+    its header declares more than ``max_pixels()`` pixels."""
+    path, limit = regular_file(path), max_pixels()
     try:
-        with Image.open(path, formats=FORMATS) as im:
-            im.verify()  # PNG: chunk CRCs; cheap, no pixel decoding
-        with Image.open(path, formats=FORMATS) as im:
-            im.load()
-            out = ImageOps.exif_transpose(im)
-            out.load()
-            return out if out is not im else im.copy()
+        size = _declared_size(path)
+        if size is not None and size[0] * size[1] > limit:
+            raise _too_big(path, size, limit)
+        with warnings.catch_warnings():
+            # the size was checked above: Pillow's warning would only repeat it, in its own words
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path, formats=FORMATS) as im:
+                if im.width * im.height > limit:
+                    raise _too_big(path, im.size, limit)
+                im.verify()  # PNG: chunk CRCs; cheap, no pixel decoding
+            with Image.open(path, formats=FORMATS) as im:
+                im.load()
+                out = ImageOps.exif_transpose(im)
+                out.load()
+                return out if out is not im else im.copy()
     except UnidentifiedImageError:
         raise DataError(f"{path}: not a PNG, JPEG, WebP or BMP image") from None
-    except Image.DecompressionBombError as e:
-        raise DataError(f"{path}: {e}") from None
+    except Image.DecompressionBombError:
+        raise DataError(
+            f"{path}: the image declares more pixels than Pillow decodes ({2 * (Image.MAX_IMAGE_PIXELS or 0):,})",
+            hint=f"use a smaller image (a ViT reads about 224 x 224); {PIXELS_ENV} cannot raise Pillow's own bound",
+        ) from None
     except OSError as e:
         if e.errno is not None:  # a real I/O error (permissions, ...), not a decoder complaint
             raise DataError(f"{path}: cannot read: {e.strerror or e}") from None

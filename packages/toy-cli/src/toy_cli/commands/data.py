@@ -133,8 +133,10 @@ def check_cmd(
     if max_length is not None and max_length < 2:
         raise CLIError(f"--max-length must be at least 2 (got {max_length})", None, 2)
     with cli_errors():
+        from toy.inputs import regular_file
         from toy.train.instruct import check_file
 
+        regular_file(file)  # before the model is read: a FIFO or /dev/zero is refused at once
         tokenizer, template, ctx = _load(model)
         if max_length is None:
             max_length = min(ctx, MAX_LENGTH_CAP) if ctx else MAX_LENGTH_CAP

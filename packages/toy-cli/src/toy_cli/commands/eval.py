@@ -157,9 +157,9 @@ def perplexity_cmd(
     t0 = time.monotonic()
     with cli_errors():
         _check_runs_dir(runs_dir)
-        text = E.read_eval_text(file)
+        E.check_eval_path(file)
         with _load(model, context, batch, device, threads) as m:
-            ids = E.text_ids(m, text)
+            ids, whole = E.read_eval_ids(m.tokenizer, file, E.tokens_needed(context, stride, max_chunks))
             cfg = {"model": str(m.path), "file": str(file), "context": context, "stride": stride,
                    "max_chunks": max_chunks, "batch": batch}  # fmt: skip
             with E.eval_run("perplexity", cfg, runs_dir, model=E.record.model_info(m)) as w:
@@ -174,7 +174,8 @@ def perplexity_cmd(
         return _finish(w, True, {**res.to_dict(), "seconds": round(secs, 3)})
     typer.echo(
         f"PPL = {res.ppl:.4f} +/- {res.ppl_stderr:.5f}  (mean NLL {res.nll:.4f} nats/token, {res.n_scored} tokens "
-        f"scored in {res.n_windows} windows of {context}, {len(ids)} tokens in the text)"
+        f"scored in {res.n_windows} windows of {context}, {len(ids)} tokens "
+        f"{'in the text' if whole else 'read from the start of the text'})"
     )
     _finish(w, False, {})
 
@@ -202,9 +203,9 @@ def compare_cmd(
     bar = _WindowProgress("compare")
     with cli_errors():
         _check_runs_dir(runs_dir)
-        text = E.read_eval_text(file)
+        E.check_eval_path(file)
         with _load(model_a, context, batch, device, threads) as a, _load(model_b, context, batch, device, threads) as b:
-            ids = E.text_ids(a, text)
+            ids, _ = E.read_eval_ids(a.tokenizer, file, E.tokens_needed(context, stride, max_chunks))
             cfg = {"model": str(a.path), "model_b": str(b.path), "file": str(file), "context": context,
                    "stride": stride, "max_chunks": max_chunks}  # fmt: skip
             with E.eval_run(
@@ -237,6 +238,20 @@ def compare_cmd(
 # -- lmc -------------------------------------------------------------------------
 
 
+def _lmc_ids(ckpt: Path, file: Path, limit: int | None) -> list[int] | str:
+    """The eval ids by the first checkpoint's tokenizer (``lmc`` checks that both have it), read no further
+    than ``limit`` needs; the whole text when the checkpoint has no tokenizer (``lmc`` then says so)."""
+    import toy.eval as E
+    from toy import ToyError
+    from toy.tokenizer import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(ckpt)
+    except ToyError:  # lmc reports a checkpoint without a usable tokenizer in its own words
+        return E.read_eval_text(file)
+    return E.read_eval_ids(tok, file, limit)[0].tolist()
+
+
 def lmc_cmd(
     ckpt_a: Annotated[Path, typer.Argument(help="The first checkpoint (GGUF).")],
     ckpt_b: Annotated[Path, typer.Argument(help="The second checkpoint, same architecture and shapes.")],
@@ -260,7 +275,8 @@ def lmc_cmd(
     with cli_errors():
         points = E.parse_alphas(alphas)
         _check_runs_dir(runs_dir)
-        text = E.read_eval_text(file)
+        E.check_eval_path(file)
+        text = _lmc_ids(ckpt_a, file, E.tokens_needed(context, stride, max_chunks))
         cfg = {"model": str(ckpt_a), "model_b": str(ckpt_b), "file": str(file), "alphas": points,
                "context": context, "stride": stride, "max_chunks": max_chunks}  # fmt: skip
         with E.eval_run("lmc", cfg, runs_dir) as w:

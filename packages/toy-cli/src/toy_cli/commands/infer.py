@@ -126,7 +126,7 @@ def _constraint(json_schema: Path | None, grammar: Path | None, regex: str | Non
     for flag, path in (("--json-schema", json_schema), ("--grammar", grammar)):
         if path is not None:
             try:
-                text = path.read_text(encoding="utf-8")
+                text = _read_file(path, flag)
             except (OSError, UnicodeDecodeError) as e:
                 raise CLIError(f"{flag} {path}: {e.strerror if isinstance(e, OSError) else e}", None, 2) from None
             if flag == "--grammar":
@@ -194,11 +194,31 @@ def _timings_line(g) -> str:
     return "; ".join(parts)
 
 
+def _read_file(path: Path, flag: str) -> str:
+    """A text file an option names: refused (exit 2, naming it) when it is not a regular file (a FIFO would
+    block, /dev/zero never ends) or holds more than ``toy.inputs.max_record_bytes()`` bytes."""
+    from toy.errors import BadInputError
+    from toy.inputs import max_record_bytes, regular_file
+
+    try:
+        p = regular_file(path, flag)
+        limit, size = max_record_bytes(), p.stat().st_size
+    except BadInputError as e:
+        raise CLIError(f"{flag} {e}", e.hint or f"{flag} names a UTF-8 text file", 2) from None
+    if size > limit:
+        raise CLIError(
+            f"{flag} {path}: {size:,} bytes, more than the {limit:,} one input may hold",
+            "give a smaller file (TOY_MAX_RECORD_BYTES raises the bound)",
+            2,
+        )
+    return p.read_text(encoding="utf-8")
+
+
 def _read_prompt(prompt: str | None, prompt_opt: str | None, prompt_file: Path | None) -> str:
     given = [p for p in (prompt, prompt_opt) if p is not None]
     if prompt_file is not None:
         try:
-            given.append(prompt_file.read_text(encoding="utf-8"))
+            given.append(_read_file(prompt_file, "--prompt-file"))
         except (OSError, UnicodeDecodeError) as e:
             why = (
                 e.strerror

@@ -13,7 +13,7 @@ The CLI is ``toy eval`` (toy-cli); the figures equal these functions'.
 """
 
 from toy.eval.lmc import DEFAULT_ALPHAS, LMCPoint, LMCResult, lmc, parse_alphas
-from toy.eval.record import eval_run, read_eval_text
+from toy.eval.record import check_eval_path, eval_run, read_eval_ids, read_eval_text
 from toy.eval.score import (
     CompareResult,
     LogprobsResult,
@@ -24,6 +24,7 @@ from toy.eval.score import (
     perplexity,
     text_ids,
 )
+from toy.eval.windows import tokens_needed
 
 __all__ = [
     "DEFAULT_ALPHAS",
@@ -33,12 +34,15 @@ __all__ = [
     "LogprobsResult",
     "PerplexityResult",
     "TokenScore",
+    "check_eval_path",
     "compare",
     "eval_run",
     "lmc",
     "logprobs",
     "parse_alphas",
     "perplexity",
+    "read_eval_ids",
     "read_eval_text",
     "text_ids",
+    "tokens_needed",
 ]

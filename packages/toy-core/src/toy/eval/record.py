@@ -8,6 +8,15 @@ Decisions:
   documents are joined with a blank line (``"\\n\\n"``) into one text. A
   folder is read like a training corpus (its text and JSONL files in sorted
   order). Errors name the file and line (``toy.corpus`` reads it).
+- ``read_eval_ids`` reads and tokenizes that text as a stream (blocks of
+  1 MB, tokenized in pieces cut where no token crosses, see
+  ``toy.tokenizer.longtext``) and stops once it holds ``limit`` tokens (what
+  ``--max-chunks`` windows need, ``toy.eval.windows.tokens_needed``), so a
+  20 MB one-line file costs a small multiple of what is read, and with
+  ``--max-chunks 2`` only a prefix of it is read. Its ids equal
+  ``text_ids(read_eval_text(path))`` up to where it stopped (the caveats of
+  ``toy.tokenizer.longtext`` apply; SentencePiece-style vocabularies read the
+  whole text).
 - An eval run (``run_kind`` "eval") records ``config`` (the command and its
   arguments: ``command``, ``model``, ``model_b`` when there is one, file,
   context, …), ``run_start`` with ``model`` (the file name and its
@@ -23,11 +32,19 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from toy.corpus import iter_documents
+import numpy as np
+
+from toy.corpus import corpus_files, iter_documents, iter_text
 from toy.errors import DataError
 from toy.runs import RunWriter
+
+if TYPE_CHECKING:
+    from toy.tokenizer import Tokenizer
+
+#: what ``read_eval_ids`` reads from a plain-text file at a time
+READ_BYTES = 1 << 20
 
 
 def read_eval_text(path: str | os.PathLike[str]) -> str:
@@ -39,6 +56,48 @@ def read_eval_text(path: str | os.PathLike[str]) -> str:
     if not texts:
         raise DataError(f"{p}: no text in it")
     return "\n\n".join(texts)
+
+
+def check_eval_path(path: str | os.PathLike[str]) -> list[Path]:
+    """The files an eval path reads (errors for a missing path, a FIFO, a device: before a model loads)."""
+    p = Path(path)
+    if not p.exists() and not p.is_symlink():
+        raise DataError(f"{p}: no such file or folder")
+    return corpus_files([p])
+
+
+def _eval_blocks(path: Path) -> Iterator[str]:
+    """The eval text (module docstring) as blocks: documents joined with a blank line."""
+    first = True
+    for _, text, starts in iter_text([path], READ_BYTES):
+        if starts and not first:
+            yield "\n\n"
+        first = False
+        yield text
+    if first:
+        raise DataError(f"{path}: no text in it")
+
+
+def read_eval_ids(
+    tokenizer: Tokenizer, path: str | os.PathLike[str], limit: int | None = None
+) -> tuple[np.ndarray, bool]:
+    """(ids, whole) of an eval file or folder, tokenized as ``toy.eval.score.text_ids`` does (the file's
+    BOS/EOS flags, control-token text not parsed), reading no further than ``limit`` tokens need: ``whole``
+    says whether the whole text was read (the EOS, when the tokenizer adds one, ends only a whole text)."""
+    p = Path(path)
+    check_eval_path(p)
+    bos, eos = tokenizer.bos_id, tokenizer.eos_id
+    parts = [np.asarray([bos] if tokenizer.add_bos and bos is not None else [], np.int32)]
+    n, stream = len(parts[0]), tokenizer.encode_stream(_eval_blocks(p), special=False)
+    for ids in stream:
+        parts.append(ids)
+        n += len(ids)
+        if limit is not None and n >= limit:
+            stream.close()  # stop reading: the file is closed as the generators unwind
+            return np.concatenate(parts), False
+    if tokenizer.add_eos and eos is not None:
+        parts.append(np.asarray([eos], np.int32))
+    return np.concatenate(parts), True
 
 
 def model_info(model: object) -> dict[str, Any]:
@@ -76,4 +135,4 @@ def eval_run(
     writer.end("completed")
 
 
-__all__ = ["eval_run", "model_info", "read_eval_text"]
+__all__ = ["check_eval_path", "eval_run", "model_info", "read_eval_ids", "read_eval_text"]

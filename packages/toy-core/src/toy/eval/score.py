@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from toy.errors import BadInputError
-from toy.eval.windows import NLLStats, log_softmax, target_nll, windows
+from toy.eval.windows import NLLStats, check_layout, log_softmax, target_nll, windows
 
 if TYPE_CHECKING:
     from toy.engine.llm import LLMEngine
@@ -177,13 +177,13 @@ def perplexity(
     _check_context(model, context)
     ids = np.asarray(ids, dtype=np.int64)
     stats, running = NLLStats(), []
-    todo = list(windows(ids, context, stride=stride, bos_id=_bos(model, stride), max_chunks=max_chunks))
-    for w in todo:
+    n = check_layout(len(ids), context, stride, max_chunks)  # windows are made one at a time, not all at once
+    for w in windows(ids, context, stride=stride, bos_id=_bos(model, stride), max_chunks=max_chunks):
         logits = window_logits(model, w.ids)
         stats.add(target_nll(logits[w.rows], w.targets))
         running.append(stats.ppl)
         if progress is not None:
-            progress(w.index + 1, len(todo), stats.ppl)
+            progress(w.index + 1, n, stats.ppl)
     return PerplexityResult(
         stats.ppl,
         stats.ppl_stderr,
@@ -191,7 +191,7 @@ def perplexity(
         stats.mean_stderr,
         len(ids),
         stats.count,
-        len(todo),
+        n,
         context,
         stride,
         running,
@@ -251,8 +251,8 @@ def compare(
     sa, sb = NLLStats(), NLLStats()
     kls: list[np.ndarray] = []
     same = 0
-    todo = list(windows(ids, context, stride=stride, bos_id=_bos(model_a, stride), max_chunks=max_chunks))
-    for w in todo:
+    n = check_layout(len(ids), context, stride, max_chunks)
+    for w in windows(ids, context, stride=stride, bos_id=_bos(model_a, stride), max_chunks=max_chunks):
         la = log_softmax(window_logits(model_a, w.ids)[w.rows])
         lb = log_softmax(window_logits(model_b, w.ids)[w.rows])
         r = np.arange(len(w.rows))
@@ -261,13 +261,13 @@ def compare(
         kls.append(np.maximum((np.exp(la) * (la - lb)).sum(axis=1), 0.0))  # >= 0 up to rounding
         same += int((la.argmax(axis=1) == lb.argmax(axis=1)).sum())
         if progress is not None:
-            progress(w.index + 1, len(todo), sb.ppl)
+            progress(w.index + 1, n, sb.ppl)
     kl = np.concatenate(kls)
     kl_stderr = float(kl.std(ddof=1) / np.sqrt(len(kl))) if len(kl) > 1 else float("nan")
     pct = {f"p{q}": float(np.percentile(kl, q)) for q in (50, 90, 95, 99)}
     pct["max"] = float(kl.max())
     return CompareResult(
-        len(kl), len(todo), context, float(kl.mean()), kl_stderr, pct, same / len(kl), sa.ppl, sb.ppl, sa.mean, sb.mean
+        len(kl), n, context, float(kl.mean()), kl_stderr, pct, same / len(kl), sa.ppl, sb.ppl, sa.mean, sb.mean
     )
 
 

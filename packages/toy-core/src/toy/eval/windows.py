@@ -55,6 +55,15 @@ def count_windows(n_tokens: int, context: int, stride: int = 0) -> int:
     return (n_tokens - context + stride - 1) // stride
 
 
+def tokens_needed(context: int, stride: int = 0, max_chunks: int | None = None) -> int | None:
+    """The fewest tokens of text that give ``max_chunks`` windows (None: no bound, every window)."""
+    if max_chunks is None or max_chunks < 1:
+        return None
+    if stride <= 0:
+        return max_chunks * context
+    return context + (max_chunks - 1) * stride + 1
+
+
 def check_layout(n_tokens: int, context: int, stride: int = 0, max_chunks: int | None = None) -> int:
     """Validate the layout; returns the number of windows that will be scored."""
     if context < 4:
@@ -155,4 +164,13 @@ class NLLStats:
         return self.mean_stderr * self.ppl
 
 
-__all__ = ["NLLStats", "Window", "check_layout", "count_windows", "log_softmax", "target_nll", "windows"]
+__all__ = [
+    "NLLStats",
+    "Window",
+    "check_layout",
+    "count_windows",
+    "log_softmax",
+    "target_nll",
+    "tokens_needed",
+    "windows",
+]

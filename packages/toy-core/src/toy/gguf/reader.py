@@ -44,6 +44,7 @@ from toy.gguf.constants import (
     VERSIONS,
     ValueType,
 )
+from toy.inputs import file_kind
 
 # string arrays longer than this (vocabularies, merges) are kept as one bytes
 # block plus offsets and decoded on access: ~5x less memory than str objects
@@ -261,7 +262,7 @@ class GGUFFile:
         self.path = Path(path)
         name = str(self.path)
         try:
-            fd = os.open(self.path, os.O_RDONLY)
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block the open
         except FileNotFoundError:
             raise GGUFError(f"{name}: no such file", hint="check the path or run `toy list`") from None
         except IsADirectoryError:
@@ -273,7 +274,7 @@ class GGUFFile:
             if stat.S_ISDIR(st.st_mode):
                 raise GGUFError(f"{name}: is a directory, not a GGUF file")
             if not stat.S_ISREG(st.st_mode):
-                raise GGUFError(f"{name}: not a regular file")
+                raise GGUFError(f"{name}: not a regular file ({file_kind(st.st_mode)})")
             size = st.st_size
             if size < 24:
                 raise GGUFError(f"{name}: not a GGUF file (only {size} bytes)")

@@ -28,6 +28,12 @@ Semantics (each mirrors llama.cpp):
   pieces as plain text, which are the fragments ``encode`` itself tokenizes
   one at a time (a space prefix goes on every fragment, as in llama.cpp), so
   without spans to protect the ids are ``encode``'s.
+- Long text (over ``toy.tokenizer.longtext.PIECE_CHARS`` characters) is
+  encoded in pieces cut where no token can cross, a few pieces at a time, so
+  memory stays bounded (HF ``tokenizers`` needs ~140 bytes per character of
+  one text); the ids equal the whole text's, with the caveats that module
+  states. ``encode_array`` returns the ids as an int32 array (no list of
+  Python ints for a 20 MB text).
 - ``IncrementalDecoder``: feed ids one at a time, get text that never splits a
   UTF-8 sequence; the concatenation of all chunks plus ``flush()`` equals
   ``decode`` for tokenizers without ``clean_spaces`` (llama.cpp streams raw
@@ -46,14 +52,16 @@ import gc
 import operator
 import os
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from toy.gguf import GGUFFile
 from toy.tokenizer.build import build_hf_tokenizer, build_pieces
-from toy.tokenizer.vocab import ATTR_CONTROL, ATTR_UNKNOWN, TokenizerError, Vocab
+from toy.tokenizer.longtext import BATCH_CHARS, MAX_SCAN_CHARS, PIECE_CHARS, batches, cut_pieces, safe_cut, splittable
+from toy.tokenizer.vocab import ATTR_CONTROL, ATTR_UNKNOWN, ATTR_USER_DEFINED, TokenizerError, Vocab
 
 
 class Tokenizer:
@@ -70,6 +78,8 @@ class Tokenizer:
         self._pieces, self._pieces_plain = build_pieces(vocab)
         mask = ATTR_CONTROL | ATTR_UNKNOWN
         self._control = frozenset(i for i, a in enumerate(vocab.attrs) if a & mask)  # the special added tokens
+        added = (vocab.tokens[i] for i, a in enumerate(vocab.attrs) if a & (mask | ATTR_USER_DEFINED))
+        self._splittable = splittable(vocab.model, added)  # long text may be encoded in pieces
 
     @classmethod
     def from_gguf(cls, metadata: Mapping[str, Any]) -> Tokenizer:
@@ -153,13 +163,18 @@ class Tokenizer:
                     self._hf_plain = plain
         return self._hf_plain
 
-    def _wrap(self, ids: list[int], add_special: bool | None) -> list[int]:
+    def _ends(self, add_special: bool | None) -> tuple[list[int], list[int]]:
+        """The ids ``add_special`` puts before and after a text's."""
         add_bos = self.vocab.add_bos if add_special is None else add_special
         add_eos = self.vocab.add_eos if add_special is None else add_special
-        if add_bos and self.bos_id is not None:
-            ids.insert(0, self.bos_id)
-        if add_eos and self.eos_id is not None:
-            ids.append(self.eos_id)
+        head = [self.bos_id] if add_bos and self.bos_id is not None else []
+        return head, [self.eos_id] if add_eos and self.eos_id is not None else []
+
+    def _wrap(self, ids: list[int], add_special: bool | None) -> list[int]:
+        head, tail = self._ends(add_special)
+        if head:
+            ids.insert(0, head[0])
+        ids += tail
         return ids
 
     def encode(self, text: str, add_special: bool | None = None, special: bool = True) -> list[int]:
@@ -168,12 +183,54 @@ class Tokenizer:
         ``special``: parse control tokens written in the text."""
         if not isinstance(text, str):
             raise TokenizerError(f"encode() takes a str, not {type(text).__name__}")
+        if len(text) > PIECE_CHARS:
+            return self._wrap(self._encode_long(self._encoder(special), text).tolist(), add_special)
         try:
             # encode_batch_fast skips the offset bookkeeping encode() does (~30% faster on long text)
             ids = _encode_many(self._encoder(special), [text])[0].ids
         except Exception as e:  # e.g. a lone surrogate cannot cross into Rust
             raise TokenizerError(f"cannot tokenize the text: {e}") from e
         return self._wrap(ids, add_special)
+
+    def encode_array(self, text: str, add_special: bool | None = None, special: bool = True) -> np.ndarray:
+        """``encode`` as an int32 array: the ids of a long text never become a list of Python ints."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"encode_array() takes a str, not {type(text).__name__}")
+        if len(text) <= PIECE_CHARS:
+            return np.asarray(self.encode(text, add_special, special), np.int32)
+        ids = self._encode_long(self._encoder(special), text)
+        head, tail = self._ends(add_special)
+        return np.concatenate([np.asarray(head, np.int32), ids, np.asarray(tail, np.int32)])
+
+    def encode_stream(self, blocks: Iterable[str], special: bool = True) -> Generator[np.ndarray, None, None]:
+        """The ids (int32 arrays, no BOS/EOS) of the concatenation of ``blocks``, given as soon as a safe
+        cut allows: the caller may stop early, having read only what it needed. Their concatenation is
+        ``encode(''.join(blocks), add_special=False, special=special)``; a vocabulary whose text cannot be
+        cut (``toy.tokenizer.longtext.splittable``) is encoded whole at the end."""
+        hf, buf = self._encoder(special), ""
+        for block in _slices(blocks, MAX_SCAN_CHARS if self._splittable else None):
+            buf += block
+            if not self._splittable or len(buf) < BATCH_CHARS:
+                continue
+            cut = safe_cut(buf, max(0, len(buf) - MAX_SCAN_CHARS), len(buf))
+            if cut <= 0 and len(buf) < MAX_SCAN_CHARS:
+                continue
+            cut = cut if cut > 0 else len(buf)  # no safe point in MAX_SCAN_CHARS: the documented caveat
+            head, buf = buf[:cut], buf[cut:]
+            yield self._encode_long(hf, head)
+        if buf:
+            yield self._encode_long(hf, buf)
+
+    def _encode_long(self, hf: HFTokenizer, text: str) -> np.ndarray:
+        """The ids of ``text`` (no BOS/EOS), encoded piece by piece when the vocabulary allows it."""
+        pieces = cut_pieces(text) if self._splittable else iter([text])
+        parts = [np.zeros(0, np.int32)]
+        try:
+            for run in batches(pieces):
+                parts += [np.asarray(enc.ids, np.int32) for enc in _encode_many(hf, run)]
+        except Exception as e:  # e.g. a lone surrogate cannot cross into Rust
+            raise TokenizerError(f"cannot tokenize the text: {e}") from e
+        return np.concatenate(parts)
 
     def special_spans(self, text: str) -> list[tuple[int, int]]:
         """Character spans ``(start, end)`` of ``text`` that ``encode(text, special=True)`` reads as control
@@ -185,11 +242,17 @@ class Tokenizer:
             raise TokenizerError(f"expected a str, not {type(text).__name__}")
         if not text or not self._control:
             return []
+        long = len(text) > PIECE_CHARS and self._splittable
+        out, pos = [], 0
         try:
-            enc = self._hf.encode(text, add_special_tokens=False)
+            for run in batches(cut_pieces(text)) if long else [[text]]:
+                # offsets are needed here, so the plain batch encode (not _encode_many's fast one)
+                for piece, enc in zip(run, self._hf.encode_batch(run, add_special_tokens=False)):
+                    out += [(pos + a, pos + b, i) for i, (a, b) in zip(enc.ids, enc.offsets) if i in self._control]
+                    pos += len(piece)
         except Exception as e:
             raise TokenizerError(f"cannot tokenize the text: {e}") from e
-        return [(a, b, i) for i, (a, b) in zip(enc.ids, enc.offsets) if i in self._control]
+        return out
 
     def encode_protected(
         self, text: str, plain: Sequence[tuple[int, int]], add_special: bool | None = None
@@ -213,14 +276,17 @@ class Tokenizer:
             pieces.append(text[pos:a])
             pos = b
         pieces.append(text[pos:])
+        hf = self._encoder(False)
+        short = [p for p in pieces if len(p) <= PIECE_CHARS]
         try:
-            encs = _encode_many(self._encoder(False), pieces)
+            encs = iter(_encode_many(hf, short))
         except Exception as e:
             raise TokenizerError(f"cannot tokenize the text: {e}") from e
         ids: list[int] = []
-        for k, enc in enumerate(encs):
-            if pieces[k]:
-                ids.extend(enc.ids)
+        for k, piece in enumerate(pieces):
+            got = next(encs).ids if len(piece) <= PIECE_CHARS else self._encode_long(hf, piece).tolist()
+            if piece:
+                ids.extend(got)
             if k < len(cuts):
                 ids.append(cuts[k][2])
         return ids
@@ -231,11 +297,13 @@ class Tokenizer:
         """``encode`` for many texts at once (in parallel inside ``tokenizers``)."""
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
             raise TokenizerError("encode_batch() takes a sequence of str")
+        hf, texts = self._encoder(special), list(texts)
         try:
-            encs = _encode_many(self._encoder(special), list(texts))
+            encs = iter(_encode_many(hf, [t for t in texts if len(t) <= PIECE_CHARS]))
         except Exception as e:
             raise TokenizerError(f"cannot tokenize the texts: {e}") from e
-        return [self._wrap(e.ids, add_special) for e in encs]
+        long = (self._encode_long(hf, t).tolist() for t in texts if len(t) > PIECE_CHARS)  # one at a time
+        return [self._wrap(next(encs).ids if len(t) <= PIECE_CHARS else next(long), add_special) for t in texts]
 
     # -- decode --------------------------------------------------------------
 
@@ -288,6 +356,16 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(model={self.model!r}, pre={self.pre!r}, vocab_size={self.vocab_size})"
+
+
+def _slices(blocks: Iterable[str], step: int | None) -> Iterator[str]:
+    """``blocks`` cut into slices of at most ``step`` characters (None: as they are)."""
+    for block in blocks:
+        if step is None:
+            yield block
+            continue
+        for k in range(0, len(block), step):
+            yield block[k : k + step]
 
 
 def _encode_many(hf: HFTokenizer, texts: list[str]) -> list[Any]:

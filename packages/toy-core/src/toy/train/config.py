@@ -40,6 +40,7 @@ else:  # pragma: no cover - Python 3.10
 
 from toy import models
 from toy.errors import BadInputError, ConfigError  # ConfigError lives in toy.errors; re-exported here
+from toy.inputs import regular_file
 from toy.train.optim import OptimConfig
 
 
@@ -245,6 +246,10 @@ def load_toml(path: str | Path, recipe: str | None = None) -> TrainConfig:
     ``recipe`` key, else from-scratch); a file naming another recipe is an
     error."""
     p = Path(path)
+    try:
+        regular_file(p)  # a FIFO would block the read, /dev/zero never ends
+    except BadInputError as e:
+        raise ConfigError(f"cannot read config {e}", e.hint) from None
     try:
         data = tomllib.loads(p.read_text(encoding="utf-8"))
     except OSError as e:

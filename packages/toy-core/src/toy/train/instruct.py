@@ -33,6 +33,14 @@ positions: n tokens take n-1 positions, positions restart at 0, ``doc`` is the
 index in the row (the block-causal mask keeps examples apart), padding ends
 the row (token 0, loss 0, a doc id of its own).
 
+Memory: a line is read with a bound (``toy.inputs.max_record_bytes``, 64 MiB
+unless ``TOY_MAX_RECORD_BYTES`` says otherwise; a longer line is refused
+naming the file and line, or reported as a problem by ``check_file``) and its
+text is tokenized in pieces into int32 arrays (``Tokenizer.encode_array``), so
+one record costs a small multiple of its size, never ~140 bytes a character.
+Paths that are not regular files (a FIFO, a device) are refused before they
+are opened (``toy.inputs.regular_file``).
+
 Invariants: an Example's ``tokens`` (int32) and ``loss`` (bool) have one
 length, and token 0 is never a target (nothing precedes it); batches are
 ``PackedData``'s (int32/float32, (B, context)), so ``BatchStream`` and
@@ -48,14 +56,15 @@ import os
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from itertools import groupby
+from itertools import count, groupby
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from toy.corpus import Paths
 from toy.errors import DataError
+from toy.inputs import RECORD_ENV, max_record_bytes, read_line, regular_file
 from toy.train.data import Batch
 
 KINDS = ("text", "prompt_completion", "messages")
@@ -102,17 +111,18 @@ class _Encoder:
             out = ""
         self.roles = ROLES + (("tool",) if _PROBE in out else ())
 
-    def ids(self, text: str, bos: bool = True, plain: list | None = None) -> list[int]:
+    def ids(self, text: str, bos: bool = True, plain: list | None = None) -> np.ndarray:
+        """int32 ids (a long text is encoded in pieces, never as one list of Python ints)."""
         try:
             if plain:  # spans of message text holding control-token text: kept as text
-                ids = self.tok.encode_protected(text, plain, add_special=False)
+                ids = np.asarray(self.tok.encode_protected(text, plain, add_special=False), np.int32)
             else:
-                ids = self.tok.encode(text, add_special=False, special=True)
+                ids = self.tok.encode_array(text, add_special=False, special=True)
         except Exception as e:  # TokenizerError, or a lone surrogate
             raise _Bad(f"cannot tokenize: {e}") from None
         b = self.tok.bos_id
-        if bos and self.tok.add_bos and b is not None and ids[:1] != [b]:
-            ids.insert(0, b)
+        if bos and self.tok.add_bos and b is not None and (not len(ids) or ids[0] != b):
+            ids = np.concatenate([np.asarray([b], np.int32), ids])
         return ids
 
     def eos(self) -> int:
@@ -152,16 +162,18 @@ class _Encoder:
             text = _str(obj["text"], '"text"')
             if not text:
                 raise _Bad("empty text")
-            tokens = self.ids(text) + [self.eos()]
-            loss = [False] + [True] * (len(tokens) - 1)
+            tokens = np.append(self.ids(text), np.int32(self.eos()))
+            loss = np.ones(len(tokens), bool)
+            loss[0] = False
         elif kind == "prompt_completion":
             if _KEYS[kind] - keys:
                 raise _Bad(f'"{min(_KEYS[kind] - keys)}" is missing (a prompt_completion example has both)')
             prompt, comp = _str(obj["prompt"], '"prompt"'), _str(obj["completion"], '"completion"')
             if not comp.strip():
                 raise _Bad("empty completion")
-            head, tail = self.ids(prompt), self.ids(comp, bos=False) + [self.eos()]
-            tokens, loss = head + tail, [False] * len(head) + [True] * len(tail)
+            head, tail = self.ids(prompt), np.append(self.ids(comp, bos=False), np.int32(self.eos()))
+            tokens = np.concatenate([head, tail])
+            loss = np.concatenate([np.zeros(len(head), bool), np.ones(len(tail), bool)])
         else:
             tokens, loss = self.conversation(self.messages(obj["messages"]))
         return Example(np.asarray(tokens, np.int32), np.asarray(loss, bool), source, line, kind)
@@ -186,24 +198,25 @@ class _Encoder:
             raise _Bad("the conversation has no assistant turn")
         return msgs
 
-    def conversation(self, msgs: list[dict]) -> tuple[list[int], list[bool]]:
+    def conversation(self, msgs: list[dict]) -> tuple[np.ndarray, np.ndarray]:
         full, plain = self.render(msgs, False)
         ids = self.ids(full, plain=plain)
-        loss, eog = [False] * len(ids), self.tok.eog_ids
+        loss, eog = np.zeros(len(ids), bool), np.fromiter(self.tok.eog_ids, np.int64)
         for i, m in enumerate(msgs):
             if m["role"] == "assistant":
                 a, b = self.prefix(full, ids, msgs[:i], True, i), self.prefix(full, ids, msgs[: i + 1], False, i)
                 if b <= a:
                     raise _Bad(f"messages[{i}]: the chat template renders this assistant turn as nothing")
-                end = max((k + 1 for k in range(a, b) if ids[k] in eog), default=b)
-                loss[a:end] = [True] * (end - a)
+                ends = np.flatnonzero(np.isin(ids[a:b], eog))
+                end = a + int(ends[-1]) + 1 if len(ends) else b
+                loss[a:end] = True
         return ids, loss
 
-    def prefix(self, full: str, ids: list[int], msgs: list[dict], gen: bool, i: int) -> int:
+    def prefix(self, full: str, ids: np.ndarray, msgs: list[dict], gen: bool, i: int) -> int:
         """The number of tokens of ``render(msgs, gen)``, checked to be a prefix."""
         text, plain = self.render(msgs, gen)
         p = self.ids(text, plain=plain) if full.startswith(text) else None
-        if p is None or ids[: len(p)] != p:
+        if p is None or not np.array_equal(ids[: len(p)], p):
             how = "text" if p is None else "token ids"
             raise _Bad(
                 f"messages[{i}]: the chat template's rendering up to this assistant turn does not start the whole "
@@ -212,11 +225,29 @@ class _Encoder:
         return len(p)
 
 
-def _read(path: Path, enc: _Encoder) -> Iterator[tuple[int, Example | str]]:
-    """(1-based line, its Example or the reason it has none) per non-blank line."""
+def _skip_line(f: BinaryIO) -> None:
+    """Read past the rest of the current line, a block at a time."""
+    while (block := f.readline(1 << 20)) and not block.endswith(b"\n"):
+        pass
+
+
+def _read(path: Path, enc: _Encoder, *, keep_going: bool = False) -> Iterator[tuple[int, Example | str]]:
+    """(1-based line, its Example or the reason it has none) per non-blank line. A line over the record
+    bound (``toy.inputs.max_record_bytes``) raises, or with ``keep_going`` is skipped and reported."""
+    path, limit = regular_file(path), max_record_bytes()
     try:
         with open(path, "rb") as f:
-            for n, raw in enumerate(f, 1):
+            for n in count(1):
+                try:
+                    raw = read_line(f, f"{path}:{n}", limit)
+                except DataError:
+                    if not keep_going:
+                        raise
+                    _skip_line(f)
+                    yield n, f"the line is longer than {limit:,} bytes, the most one record may hold ({RECORD_ENV})"
+                    continue
+                if not raw:
+                    break
                 raw = raw[3:] if n == 1 and raw.startswith(b"\xef\xbb\xbf") else raw
                 if raw.strip():
                     try:
@@ -291,7 +322,7 @@ def load_examples(
                     stats.dropped += 1
                     continue
                 stats.truncated += 1
-                ex.tokens, ex.loss = ex.tokens[:max_length], ex.loss[:max_length]
+                ex.tokens, ex.loss = ex.tokens[:max_length].copy(), ex.loss[:max_length].copy()  # not views of it all
                 if not ex.loss.any():
                     stats.no_loss += 1
                     continue
@@ -424,7 +455,7 @@ def check_file(
     report = CheckReport(path=str(path), max_length=int(max_length))
     kinds: Counter[str]
     examples, kinds = [], Counter()
-    for line, ex in _read(Path(path), enc):
+    for line, ex in _read(Path(path), enc, keep_going=True):
         if isinstance(ex, str):
             report.problems.append((line, ex))
             continue
