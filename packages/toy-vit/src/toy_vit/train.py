@@ -350,7 +350,7 @@ class ViTRun(StepRun):
                     raise ViTTrainConfigError(k, f"{v} differs from the base model's {getattr(bcfg, k)} ({bpath})")
             start["base"] = {"path": str(bpath), "sha256": self.base_sha, "labels": list(bcfg.labels)}
         if ckpt is not None:
-            vcfg = ViTConfig.from_dict(st["model"])
+            vcfg = _recorded_model(ckpt)
             if vcfg.labels != classes:
                 raise DataError(
                     f"{folder.root}: its classes ({', '.join(classes)}) are not the run's "
@@ -405,9 +405,10 @@ class ViTRun(StepRun):
             self._frozen_ctx, frozen = bind_arrays(self.runtime, self.frozen_values)
             self.model = ViTTrainModel(vcfg, frozen, lora)
             specs = self.model.param_specs()
-            missing = [s.name for s in specs if s.name not in values]
-            if missing:
-                raise checkpoint.CheckpointError(f"the checkpoint lacks tensor {missing[0]!r}")
+            self.rng = np.random.default_rng(cfg.seed)
+            if ckpt is not None:  # a state that checksums pass may still not be this run's (edited, copied)
+                checkpoint.check_state(ckpt, specs, counters=("images_seen",))
+                checkpoint.restore_rng(ckpt, self.rng)
             self.engine = TrainEngine(
                 self.model,
                 {s.name: values[s.name] for s in specs},
@@ -450,9 +451,6 @@ class ViTRun(StepRun):
             self.engine.close()
             self._close_own()
             raise
-        self.rng = np.random.default_rng(cfg.seed)
-        if "rng" in st:
-            self.rng.bit_generator.state = st["rng"]
         self.seen = int(st.get("images_seen", 0))
         self.n_params = int(sum(math.prod(p.shape) for p in params(vcfg).values()))
         self.n_trainable = int(sum(math.prod(s.shape) for s in self.engine.specs))
@@ -668,11 +666,30 @@ def resume(run_dir: str | Path, hooks: Hooks | None = None, *, steps: int | None
     return _resume(run_dir, hooks, steps=steps)
 
 
+def _recorded_model(ckpt: checkpoint.Resumable) -> ViTConfig:
+    """The model config a checkpoint records (``model`` in its state);
+    one that does not validate is ``checkpoint.CheckpointStateError``."""
+    from toy_vit.config import ViTConfigError
+
+    d = ckpt.state.get("model")
+    try:
+        if not isinstance(d, dict):
+            raise ViTConfigError("expected an object of ViT config fields")
+        return ViTConfig.from_dict(d)
+    except (ViTConfigError, TypeError, ValueError) as e:
+        raise checkpoint.CheckpointStateError(
+            ckpt.state_path, f"the model config it records (model in toy.state.json) is invalid: {e}", "model"
+        ) from None
+
+
 def resume_task(run_dir, hooks, *, lock, ckpt, notes, steps) -> RunResult:
     """The ``toy.train_tasks`` entry point ``vit``: continue the run whose
     checkpoint ``ckpt`` ``toy.train.lmrun.resume`` opened; takes over ``lock``."""
     try:
-        cfg = from_dict(ckpt.state["config"])
+        try:
+            cfg = from_dict(ckpt.state.get("config"))
+        except BadInputError as e:
+            raise checkpoint.config_error(ckpt, e) from None
         if steps is not None:
             cfg = validate(dataclasses.replace(cfg, steps=steps))
         if ckpt.step >= cfg.steps:

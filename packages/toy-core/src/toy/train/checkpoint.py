@@ -38,6 +38,17 @@ reports the damaged ones it skipped; ``set_aside`` renames a damaged
 checkpoint's files to ``*.damaged`` (kept for inspection, no longer seen as
 a checkpoint) and ``latest`` is re-pointed at the one resumed from.
 
+Validity. Checksums catch accidental damage, not a state that is wrong as
+written (hand-edited, or from another run). ``load`` refuses a state whose
+step or JSON record has the wrong type and optimizer tensors that are not
+F32; ``check_state`` (what a run calls on resume, once it knows the
+parameters it trains) checks every parameter and AdamW moment against
+them: present, exactly the trained names, the parameter's shape, F32,
+finite, second moments >= 0, and the counters non-negative integers. Both
+raise ``CheckpointStateError`` naming the file and the tensor or key
+(``field``), with no fallback to an earlier checkpoint: the state was
+written that way.
+
 Orphans. ``GGUFWriter`` writes ``.step_N.gguf.<random>.tmp`` and
 ``.step_N.state.gguf.<random>.tmp`` (``tempfile.mkstemp``), ``_relink``
 ``.latest.<pid>.tmp``; a process killed mid-write (SIGKILL, power loss)
@@ -85,6 +96,22 @@ class DamagedCheckpointError(CheckpointError):
         self.path = path
 
 
+class CheckpointStateError(CheckpointError):
+    """A checkpoint whose checksums match but whose state cannot be the
+    run's: a tensor of another shape or type, a non-finite value, a missing
+    or unknown tensor, a counter of the wrong type. ``path`` names the file,
+    ``field`` the tensor or state key."""
+
+    def __init__(self, path: Path, what: str, field: str):
+        super().__init__(
+            f"checkpoint {path}: {what}",
+            hint="this state was not written by this run as configured (edited, or copied from another run); "
+            "point checkpoints/latest at an earlier step_N.gguf, or start the run again",
+            field=field,
+        )
+        self.path = path
+
+
 class CheckpointWriteError(ToyError):
     """A checkpoint file could not be written (a full disk, a read-only
     folder): ``path`` names it, ``step`` its step. Not bad input: exit 1."""
@@ -120,8 +147,13 @@ class Resumable:
     state: dict[str, Any]  # config, data cursor, rng, counters
     tokenizer_metadata: dict[str, Any]
     verified: bool = False  # checksums recorded and matched (False: an older checkpoint without them)
+    param_types: dict[str, str] = field(default_factory=dict)  # the model file's tensor types (GGML names)
     # load_resumable: (step, error) of the newer checkpoints skipped as damaged, newest first
     damaged: list[tuple[int, DamagedCheckpointError]] = field(default_factory=list)
+
+    @property
+    def state_path(self) -> Path:
+        return self.model_path.with_name(f"step_{self.step}.state.gguf")
 
 
 def _relink(link: Path, target_name: str) -> None:
@@ -292,6 +324,24 @@ def _damaged(path: Path, what: str) -> DamagedCheckpointError:
     )
 
 
+def _kind(v: Any) -> str:
+    """A wrong value as an error names it: its JSON kind (a value the
+    state holds may be large; its repr is not repeated)."""
+    if v is None:
+        return "missing (or null)"
+    if isinstance(v, bool):
+        return f"the boolean {str(v).lower()}"
+    if isinstance(v, (int, float, np.integer, np.floating)):
+        return f"the number {v}"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, dict):
+        return "an object"
+    if isinstance(v, (list, tuple, np.ndarray)):
+        return "an array"
+    return f"a {type(v).__name__}"
+
+
 def load(folder: str | Path, step: int | None = None, *, verify: bool = True) -> Resumable:
     """Read a checkpoint (default: the latest) back as float arrays; with
     ``verify``, check its checksums (``DamagedCheckpointError``)."""
@@ -310,7 +360,12 @@ def load(folder: str | Path, step: int | None = None, *, verify: bool = True) ->
     except GGUFError as e:
         raise _damaged(state_path, f"it cannot be read ({e})") from None
     with sf:
-        if int(sf.metadata.get("toy.state.step", -1)) != step:
+        recorded = sf.metadata.get("toy.state.step")
+        if not isinstance(recorded, (int, np.integer)) or isinstance(recorded, bool):
+            raise CheckpointStateError(
+                state_path, f"toy.state.step is {_kind(recorded)}, expected the step number {step}", "toy.state.step"
+            )
+        if int(recorded) != step:
             raise CheckpointError(f"{state_path}: its step does not match {model_path.name}")
         state_json = sf.metadata.get("toy.state.json")
         sums = None
@@ -325,24 +380,33 @@ def load(folder: str | Path, step: int | None = None, *, verify: bool = True) ->
             if set(tensor_sums) != set(sf.tensors):
                 raise _damaged(state_path, "its tensors are not the ones its checksums name")
         optimizer = {}
-        for n in sf.tensors:
+        for n, info in sf.tensors.items():
             a = np.array(sf.tensor_to_float(n), np.float32)
             if sums is not None and _crc_array(a) != tensor_sums[n]:
                 raise _damaged(state_path, f"tensor {n} does not match its checksum")
+            if info.dtype.name != "F32":  # after the checksum: damage falls back, a wrong state does not
+                raise CheckpointStateError(state_path, f"tensor {n} is {info.dtype.name}, expected F32", n)
             optimizer[n] = a
         try:
             state = json.loads(state_json)  # type: ignore[arg-type]  # None (no state) raises TypeError: caught
         except (TypeError, ValueError):
             raise _damaged(state_path, "the training state (toy.state.json) is not valid JSON") from None
+        if not isinstance(state, dict):
+            raise CheckpointStateError(
+                state_path,
+                f"the training state (toy.state.json) is {_kind(state)}, expected an object",
+                "toy.state.json",
+            )
     if sums is not None and _crc_file(model_path) != sums.get("model"):
         raise _damaged(model_path, f"its bytes do not match the checksum recorded in {state_path.name}")
     try:
         with GGUFFile(model_path) as gf:
             params = {n: np.array(gf.tensor_to_float(n), np.float32) for n in gf.tensors}
+            types = {n: info.dtype.name for n, info in gf.tensors.items()}
             tok = tokenizer_metadata_of(gf)
     except GGUFError as e:
         raise _damaged(model_path, f"it cannot be read ({e})") from None
-    return Resumable(step, model_path, params, optimizer, state, tok, verified=sums is not None)
+    return Resumable(step, model_path, params, optimizer, state, tok, verified=sums is not None, param_types=types)
 
 
 def load_resumable(folder: str | Path) -> Resumable:
@@ -370,6 +434,96 @@ def load_resumable(folder: str | Path) -> Resumable:
     ) from None
 
 
+def _check_tensor(path: Path, name: str, a: np.ndarray, shape: tuple[int, ...], what: str) -> None:
+    if tuple(a.shape) != tuple(shape):
+        raise CheckpointStateError(
+            path, f"tensor {name} has shape {tuple(a.shape)}, expected {tuple(shape)} ({what})", name
+        )
+    bad = np.flatnonzero(~np.isfinite(a))
+    if bad.size:
+        i = int(bad[0])
+        raise CheckpointStateError(
+            path,
+            f"tensor {name} holds {bad.size} non-finite value(s) ({a.flat[i]} at flat index {i}), expected finite",
+            name,
+        )
+
+
+def check_state(ck: Resumable, specs, *, counters: tuple[str, ...] = ()) -> None:
+    """Check a loaded checkpoint against what the resuming run trains:
+    ``specs`` (``name``, ``shape`` in NumPy order: the engine's parameter
+    specs). Every trained parameter is in the model file, F32, of its
+    shape and finite; its AdamW moments ``adam_m.<name>`` and
+    ``adam_v.<name>`` are in the state file, of the same shape, finite,
+    the second >= 0; the state file holds no other tensor; each state key
+    in ``counters`` is, when present, a whole number >= 0. The first
+    problem raises ``CheckpointStateError`` naming the file and the tensor
+    or key."""
+    state_path = ck.state_path
+    for s in specs:
+        a = ck.params.get(s.name)
+        if a is None:
+            raise CheckpointStateError(ck.model_path, f"it lacks tensor {s.name}, a parameter this run trains", s.name)
+        t = ck.param_types.get(s.name, "F32")
+        if t != "F32":
+            raise CheckpointStateError(ck.model_path, f"tensor {s.name} is {t}, expected F32", s.name)
+        _check_tensor(ck.model_path, s.name, a, s.shape, "the parameter's shape in this run's model")
+        for moment, which in (("adam_m", "first"), ("adam_v", "second")):
+            n = f"{moment}.{s.name}"
+            m = ck.optimizer.get(n)
+            if m is None:
+                raise CheckpointStateError(
+                    state_path, f"it lacks tensor {n}, the AdamW {which} moment of parameter {s.name}", n
+                )
+            _check_tensor(state_path, n, m, s.shape, f"the shape of parameter {s.name}")
+            if moment == "adam_v" and (neg := np.flatnonzero(m < 0)).size:
+                i = int(neg[0])
+                raise CheckpointStateError(
+                    state_path,
+                    f"tensor {n} holds {neg.size} negative value(s) ({m.flat[i]} at flat index {i}); "
+                    "AdamW's second moments are >= 0",
+                    n,
+                )
+    moments = {f"{m}.{s.name}" for s in specs for m in ("adam_m", "adam_v")}
+    extra = sorted(set(ck.optimizer) - moments)
+    if extra:
+        raise CheckpointStateError(
+            state_path, f"tensor {extra[0]} is not an AdamW moment of a parameter this run trains", extra[0]
+        )
+    for key in counters:
+        v = ck.state.get(key, 0)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise CheckpointStateError(
+                state_path, f"{key} in toy.state.json is {_kind(v)}, expected a whole number >= 0", key
+            )
+
+
+def config_error(ck: Resumable, e: BadInputError) -> CheckpointStateError:
+    """``CheckpointStateError`` for the run config recorded in a checkpoint
+    (``config`` in ``toy.state.json``) that does not validate: ``e`` the
+    config's own error, whose field it prefixes with ``config.``."""
+    return CheckpointStateError(
+        ck.state_path,
+        f"the run config it records (config in toy.state.json) is invalid: {e}",
+        f"config.{e.field}" if e.field else "config",
+    )
+
+
+def restore_rng(ck: Resumable, rng: np.random.Generator) -> None:
+    """Set ``rng``'s state to the checkpoint's ``rng`` record (if any); a
+    record the generator refuses raises ``CheckpointStateError``."""
+    if "rng" not in ck.state:
+        return
+    try:
+        rng.bit_generator.state = ck.state["rng"]
+    except (TypeError, ValueError, KeyError, OverflowError):
+        raise CheckpointStateError(
+            ck.state_path,
+            f"rng in toy.state.json is not a state of numpy's {type(rng.bit_generator).__name__} generator",
+            "rng",
+        ) from None
+
+
 def set_aside(folder: str | Path, step: int) -> list[Path]:
     """Rename a damaged checkpoint's files to ``<name>.damaged`` (no longer
     a checkpoint; kept for inspection); returns the new paths."""
@@ -392,9 +546,12 @@ def point_latest(folder: str | Path, step: int) -> None:
 __all__ = [
     "CHECKSUMS_KEY",
     "CheckpointError",
+    "CheckpointStateError",
     "CheckpointWriteError",
     "DamagedCheckpointError",
     "Resumable",
+    "check_state",
+    "config_error",
     "latest_step",
     "list_steps",
     "load",
@@ -402,6 +559,7 @@ __all__ = [
     "model_metadata",
     "point_latest",
     "remove_orphans",
+    "restore_rng",
     "save",
     "set_aside",
     "tokenizer_metadata_of",

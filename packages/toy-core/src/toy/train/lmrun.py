@@ -54,6 +54,10 @@ The run folder (decisions):
   later of a step seen twice). With no intact checkpoint left the resume
   fails with ``DamagedCheckpointError`` naming the file. A checkpoint
   without checksums (an older toy) resumes unverified, with a ``note``.
+- Validity: before the engine is built, the checkpoint is checked against
+  the parameters the run trains (``checkpoint.check_state``: shapes, F32,
+  finite moments, counters, the RNG state) and its recorded config
+  validated; a wrong state is ``CheckpointStateError`` (exit 2), no fallback.
 - Writable outputs: ``train`` checks the runs folder (``out``) is a folder
   it can write into (``check_output_dir``) before the tokenizer is trained
   or the corpus read. An ``OSError`` during the run (a full disk while
@@ -161,6 +165,10 @@ class _Run(StepRun):
             else:
                 train_model, params, data_info, tok_source, extra_start = self._text_setup(cfg, hooks, ckpt)
             self.data.check_batch(cfg.batch_size)
+            self.rng = np.random.default_rng(cfg.seed)
+            if ckpt:  # a state that checksums pass may still not be this run's (edited, copied)
+                checkpoint.check_state(ckpt, train_model.param_specs(), counters=("tokens_seen",))
+                checkpoint.restore_rng(ckpt, self.rng)
             self.engine = TrainEngine(
                 train_model,
                 ckpt.params if ckpt else params,
@@ -178,9 +186,6 @@ class _Run(StepRun):
         if ckpt:
             self.engine.load_state(ckpt.params, ckpt.optimizer, ckpt.step)
         self.stream = D.BatchStream(self.data, cfg.batch_size, cfg.seed, state=st.get("data"))
-        self.rng = np.random.default_rng(cfg.seed)
-        if "rng" in st:
-            self.rng.bit_generator.state = st["rng"]
         self.seen = int(st.get("tokens_seen", 0))  # tokens
         self.val = D.validation_batches(self.data, cfg.batch_size, cfg.eval_batches or None) if self.data.n_val else []
         self.n_params = int(sum(int(np.prod(s.shape)) for s in self.engine.specs))
@@ -348,7 +353,10 @@ def resume(run_dir: str | Path, hooks: Hooks | None = None, *, steps: int | None
         if task is not None:  # a run of another distribution's task (toy-vit's classifier)
             resume_task = _task(task, Path(run_dir))
         else:
-            cfg = from_dict(ck.state["config"])
+            try:
+                cfg = from_dict(ck.state.get("config"))  # not an object: ConfigError
+            except BadInputError as e:
+                raise checkpoint.config_error(ck, e) from None
             if steps is not None:
                 cfg = dataclasses.replace(cfg, steps=steps)
             if ck.step >= cfg.steps:
