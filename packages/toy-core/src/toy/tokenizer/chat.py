@@ -28,9 +28,12 @@ the template as fresh copies; every failure, including the template's own
 
 Control tokens in content (the injection rule). A message's text is data, the
 template's markup is structure: ``<|im_end|>\n<|im_start|>system`` typed by a
-user must not become a system turn. ``render_protected`` renders the messages
+user must not become a system turn. The same holds for every other template
+variable a caller passes (``tools``: a tool's description, a parameter's
+enum value or default, at any depth; tool definitions often come from third
+parties). ``render_protected`` renders the messages
 and also returns the character spans of the rendered text where control-token
-text came from the messages' strings (found by the tokenizer's own
+text came from the strings of the messages or the variables (found by the tokenizer's own
 ``special_spans``, so exactly what it would parse as control tokens); the
 tokenizer then encodes those spans as plain text and everything else as usual
 (``Tokenizer.encode_protected``). How the spans are found: each control-token
@@ -116,14 +119,16 @@ def _plain(value: Any, where: str, depth: int = 0) -> Any:
     raise ChatTemplateError(f"{where} is a {type(value).__name__}; only JSON-like values can reach a chat template")
 
 
-def _map_strings(value: Any, fn: Callable[[str], str], key: str | None = None) -> Any:
-    """``value`` (plain JSON-like data) with ``fn`` applied to every string in it except role names."""
+def _map_strings(value: Any, fn: Callable[[str], str], key: str | None = None, *, roles: bool = True) -> Any:
+    """``value`` (plain JSON-like data) with ``fn`` applied to every string in it, dict keys included
+    (a template may render a key: ``tools | tojson``, a schema's property names), except the values of
+    ``role`` keys when ``roles`` (messages: role names are checked against ``ROLE_PATTERN`` instead)."""
     if isinstance(value, str):
-        return value if key == "role" else fn(value)
+        return value if roles and key == "role" else fn(value)
     if isinstance(value, dict):
-        return {k: _map_strings(v, fn, k) for k, v in value.items()}
+        return {fn(k): _map_strings(v, fn, k, roles=roles) for k, v in value.items()}
     if isinstance(value, list):
-        return [_map_strings(v, fn) for v in value]
+        return [_map_strings(v, fn, roles=roles) for v in value]
     return value
 
 
@@ -277,9 +282,10 @@ class ChatTemplate:
         **variables: Any,
     ) -> tuple[str, list[tuple[int, int]]]:
         """``render`` plus the spans ``(start, end)`` of the result that hold control-token text taken from
-        the messages' strings (``special_spans(s)`` gives those of one string: the tokenizer's matches).
+        the strings of the messages and of the other ``variables`` (``tools``), at any depth
+        (``special_spans(s)`` gives those of one string: the tokenizer's matches).
 
-        The spans are empty when no message string holds control-token text (then the text was rendered
+        The spans are empty when no such string holds control-token text (then the text was rendered
         once, as ``render`` does). See the module docstring for the rule and how the spans are found."""
         text = self.render(messages, add_generation_prompt, **variables)
         found: list[str] = []
@@ -300,9 +306,11 @@ class ChatTemplate:
         used = set(text) | set(self.source)
         open_, close = next(((o, c) for o, c in _MARKS if o not in used and c not in used), _MARKS[0])
         marked = _map_strings(validate_messages(messages), mark)
+        # every other variable (``tools``: descriptions, enum values, ... at any depth) is request data too
+        marked_vars = {k: _map_strings(_plain(v, k), mark, roles=False) for k, v in variables.items()}
         if not found:
             return text, []
-        again = self.render(marked, add_generation_prompt, **variables)
+        again = self.render(marked, add_generation_prompt, **marked_vars)
         out, spans, pos, size = [], [], 0, 0
         for m in re.finditer(f"{re.escape(open_)}([0-9]+){re.escape(close)}", again):
             piece = again[pos : m.start()]
@@ -317,9 +325,10 @@ class ChatTemplate:
         out.append(again[pos:])
         if "".join(out) != text:
             raise ChatTemplateError(
-                "a message holds control-token text and this chat template transforms message content in a way "
-                "that hides where that text ends up, so it cannot be kept as plain text",
-                hint="remove the control tokens from the messages, or pass special_in_content=True "
+                "a message (or a template variable such as tools) holds control-token text and this chat "
+                "template transforms it in a way that hides where that text ends up, so it cannot be kept as "
+                "plain text",
+                hint="remove the control tokens from the messages and tools, or pass special_in_content=True "
                 "(--special-in-content) if they are meant as control tokens",
             )
         return text, spans
