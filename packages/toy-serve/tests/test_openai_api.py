@@ -684,7 +684,7 @@ INVALID = [
     (
         C,
         {**HI, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
-        "response_format",
+        "response_format.json_schema.schema",
     ),
     (C, {**HI, "grammar": 'root ::= "a'}, "grammar"),
     (C, {**HI, "grammar": 'root ::= "a" undefined_rule'}, "grammar"),

@@ -74,6 +74,13 @@ def _read_key(api_key: str | None, api_key_file: Path | None) -> str | None:
         raise bad_input("--api-key and --api-key-file are given together", "use one of them")
     if api_key_file is None:
         return api_key
+    from toy.errors import BadInputError
+    from toy.inputs import regular_file
+
+    try:
+        regular_file(api_key_file, "--api-key-file")  # a FIFO would block the start, /dev/zero never ends
+    except BadInputError as e:
+        raise bad_input(str(e), "--api-key-file names a regular file holding the key") from None
     try:
         key = api_key_file.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as e:
@@ -188,6 +195,14 @@ def serve(
         float,
         typer.Option("--body-timeout", help="Seconds a request's body may take after its headers (else 408)."),
     ] = 30.0,
+    constraint_timeout: Annotated[
+        float,
+        typer.Option(
+            "--constraint-timeout",
+            help="Seconds a request's output constraint (schema, grammar, regex, strict tools) may take to compile "
+            "(else 400).",
+        ),
+    ] = 10.0,
     max_connections: Annotated[
         int | None,
         typer.Option(
@@ -262,6 +277,7 @@ def serve(
             drain_timeout=drain_timeout,
             header_timeout=header_timeout,
             body_timeout=body_timeout,
+            constraint_timeout=constraint_timeout,
             max_connections=max_connections,
             cache_ram=cache_ram,
             cache_dir=None if cache_dir is None else str(cache_dir),

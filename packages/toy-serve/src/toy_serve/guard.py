@@ -23,7 +23,10 @@ Decisions (hardening):
   deeper than ``MAX_DEPTH`` (64) levels, an integer of more than Python's
   4300 digits. A string holding a lone surrogate (``"\\ud800"`` with no low
   half: not Unicode text) answers 400 ``invalid_value`` with ``param`` the
-  field's dotted path (``messages.0.content``), wherever it is in the body.
+  field's dotted path (``messages.0.content``), wherever it is in the body;
+  when a key holds it, the path shows it escaped (``logit_bias.\\ud800``),
+  as every error body does with a lone surrogate it would quote
+  (``error_response``), so the answer can be encoded.
   The cost is a second parse of the body (FastAPI parses it again): about
   4 ms per MB of text, 26 ms per MB of token ids, within ``max_body_bytes``;
   the walk over the parsed value runs only when the body has a surrogate
@@ -59,8 +62,31 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # the only way a lone sur
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # after json.loads, a valid pair is one character
 
 
+def _escape_surrogates(text: str) -> str:
+    """``text`` with each lone surrogate written as its JSON escape (``\\ud800``): UTF-8 cannot encode it."""
+    return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def _encodable(value: Any) -> Any:
+    if isinstance(value, str):
+        return _escape_surrogates(value)
+    if isinstance(value, dict):
+        return {_encodable(k): _encodable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_encodable(v) for v in value]
+    return value
+
+
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+    """``err`` as OpenAI's error JSON. Its strings may quote the request (a key, a value): a lone surrogate
+    in them is escaped, so the answer can always be encoded (else the error itself would be a 500)."""
+    return JSONResponse(_encodable(err.body()), status_code=err.status, headers=err.headers)
+
+
+def _path_part(part: Any, limit: int = 64) -> str:
+    """One step of a field path as an error names it: lone surrogates escaped, at most ``limit`` characters."""
+    text = _escape_surrogates(str(part))
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 class Guard:
@@ -208,7 +234,7 @@ def _walk(value: Any) -> APIError | None:
         v, path, depth = todo.pop()
         if isinstance(v, str):
             if _LONE_SURROGATE.search(v):
-                where = ".".join(map(str, path)) or None
+                where = ".".join(map(_path_part, path)) or None  # a key may hold the surrogate: escaped
                 msg = f"{where or 'the request body'}: the string holds a lone surrogate (not valid Unicode text)"
                 return APIError(400, msg, param=where, code="invalid_value")
         elif isinstance(v, (dict, list)):

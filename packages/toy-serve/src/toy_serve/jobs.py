@@ -34,6 +34,7 @@ class Choice:
         self.timings: dict = {}
         self.error: str | None = None
         self.shutting_down = False  # the error is the server stopping (503), not a failure (500)
+        self.bad_input: tuple[str | None, str | None] | None = None  # (param, hint): the error is a 400
         self.vector: np.ndarray | None = None
         self.lp: Any = None  # LegacyLogprobs (completions) or a list (chat), when logprobs were asked for
         self.echo = ""
@@ -52,6 +53,8 @@ class Choice:
             self.finish, self.usage, self.timings = ev["finish_reason"], ev.get("usage", {}), ev.get("timings", {})
         elif t == "error":
             self.error, self.shutting_down = ev["message"], bool(ev.get("shutting_down"))
+            if ev.get("bad_input"):  # this job's own sampler or constraint failed (toy_serve.worker)
+                self.bad_input = (ev.get("param"), ev.get("hint"))
 
 
 class Batch:
@@ -64,6 +67,7 @@ class Batch:
         self.loop = asyncio.get_running_loop()
         self.q: asyncio.Queue = asyncio.Queue()
         self.choices: list[Choice] = []
+        self.params: dict[str | None, str] = {}  # toy's field names -> the request's (a constraint's origin)
         request.scope.setdefault("toy.cleanup", []).append(self.cancel)
 
     def add(self, ids: list[int], params: SamplingParams, first: bool = True, **job: Any) -> Choice:
@@ -119,6 +123,11 @@ class Batch:
             return None
         if any(c.shutting_down for c in self.choices if c.error):
             return APIError(503, errors[0], type="server_error", headers={"retry-after": "1"})
+        bad = next((c for c in self.choices if c.error and c.bad_input is not None), None)
+        if bad is not None and bad.bad_input is not None:
+            param, hint = bad.bad_input
+            message = bad.error or ""
+            return APIError(400, message + (f" ({hint})" if hint else ""), param=self.params.get(param, param))
         return internal(errors[0], self.rid)
 
     def usage(self) -> dict:

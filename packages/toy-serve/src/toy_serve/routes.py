@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Iterator
 from http import HTTPStatus
@@ -20,6 +21,7 @@ from fastapi import Path as FPath
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
+from toy.engine import constrain
 from toy.engine.constrain import Constraint
 from toy.engine.llm import ContextOverflowError
 from toy.engine.sampling import SamplingParams
@@ -110,6 +112,69 @@ def _budget(model: Any, ids: list[int], max_tokens: int | None) -> int:
     return mt
 
 
+def _limits(srv: Server) -> constrain.ConstraintLimits:
+    return dataclasses.replace(constrain.LIMITS, compile_timeout=srv.settings.constraint_timeout)
+
+
+def _precheck_tools(srv: Server, tools: list[dict], used: list[dict]) -> None:
+    """400 naming ``tools.N.function.parameters`` for the first parameters schema ``used`` in a call grammar that
+    is past the constraint limits (``toy.engine.constrain.precheck``, a non-recursive scan)."""
+    limits = _limits(srv)
+    for i, t in enumerate(tools):
+        params = t["function"].get("parameters")
+        if any(u is t for u in used) and isinstance(params, dict):
+            where = f"tools.{i}.function.parameters"
+            try:
+                constrain.precheck(Constraint.json_schema(params), limits)
+            except constrain.ConstraintError as e:
+                raise APIError(400, f"{where}: {e}" + (f" ({e.hint})" if e.hint else ""), param=where) from None
+
+
+async def _constraint(srv: Server, model: Any, body: Any, jobs: int, tool_grammar: Constraint | None = None):
+    """The request's constraint compiled once, off the event loop, after checking that its ``jobs`` fit the
+    queue (a full queue is a 429 before any compile): ``tool_grammar`` (a forced or strict tool call, 400 naming
+    ``tools``), else the request's own (``S.constraint``, 400 naming its field). Each choice's sampler copies
+    the compiled matcher."""
+    assert srv.worker is not None  # ready() says the worker runs
+    srv.worker.ensure_room(jobs)
+    limits = _limits(srv)
+    if tool_grammar is None:
+        return await asyncio.to_thread(S.constraint, body, model.tokenizer, limits)
+    try:
+        c = dataclasses.replace(tool_grammar, origin="tools")
+        return await asyncio.to_thread(constrain.prepare, c, model.tokenizer, limits)
+    except constrain.ConstraintError as e:
+        raise APIError(400, f"tools: {e}" + (f" ({e.hint})" if e.hint else ""), param="tools") from None
+
+
+async def _tool_constraint(srv: Server, model: Any, body: Any, tools: list[dict], used: list[dict], grammar):
+    """A forced or strict tool call's constraint (``_constraint``). When it does not compile, the 400 names
+    ``tools.N.function.parameters`` of the first function of ``used`` whose parameters do not compile on
+    their own (``T.blame``; further compiles start only within one more compile deadline), in terms of the
+    client's schema, not toy's call grammar; the original 400 when none is to blame."""
+    try:
+        return await _constraint(srv, model, body, body.n, grammar)
+    except APIError as e:
+        if e.status != 400 or e.param != "tools":
+            raise
+        first = e
+    limits = _limits(srv)
+    deadline = time.monotonic() + limits.compile_timeout
+
+    def compile_schema(schema: dict) -> None:
+        if time.monotonic() > deadline:
+            raise TimeoutError
+        constrain.prepare(Constraint.json_schema(schema), model.tokenizer, limits)
+
+    try:
+        found = await asyncio.to_thread(T.blame, tools, used, compile_schema)
+    except TimeoutError:
+        found = None
+    if found is None:
+        raise first
+    raise APIError(400, found[1], param=found[0])
+
+
 def _completion_event(c: Choice, ev: dict) -> tuple[str, dict | None]:
     """What a completions event adds to choice ``c``: (text, logprobs entries) for a stream chunk."""
     lp, text, t = c.lp, "", ev["type"]
@@ -183,7 +248,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         adapter = srv.hold_adapter(S.adapter_of(body, srv.check_model(body.model), srv.adapter_slots()), request)
         S.refuse_unsupported(body)
         prompts = await asyncio.to_thread(_prompts, srv, model, body.prompt, "prompt", body.n)
-        cons = await asyncio.to_thread(S.constraint, body, model.tokenizer)
+        cons = await _constraint(srv, model, body, len(prompts) * body.n)
         k, batch = body.logprobs, Batch(srv, request)
         for ids, text in prompts:
             budget = _budget(model, ids, body.max_tokens)
@@ -259,11 +324,15 @@ def add_routes(app: FastAPI, srv: Server) -> None:
                     t for t in tools if t["function"]["name"] == cast(S.NamedToolChoice, body.tool_choice).function.name
                 ]
             )
-            cons = T.forced_call(chosen, parallel=body.parallel_tool_calls)
+            _precheck_tools(srv, tools, chosen)
+            forced = T.forced_call(chosen, parallel=body.parallel_tool_calls)
+            cons = await _tool_constraint(srv, model, body, tools, chosen, forced)
         elif mode == "auto" and (strict := T.strict_auto(tools, parallel=body.parallel_tool_calls)):
-            cons = strict
+            used = [t for t in tools if t["function"].get("strict")]
+            _precheck_tools(srv, tools, used)
+            cons = await _tool_constraint(srv, model, body, tools, used, strict)
         else:
-            cons = await asyncio.to_thread(S.constraint, body, model.tokenizer)
+            cons = await _constraint(srv, model, body, body.n)
         names = {t["function"]["name"] for t in tools}
         budget = _budget(model, ids, body.budget)
         k, batch, tok = (body.top_logprobs or 0) if body.logprobs else None, Batch(srv, request), model.tokenizer

@@ -60,6 +60,7 @@ Decisions:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Annotated, Any, Literal
@@ -539,8 +540,10 @@ def adapter_of(req: _Sampling, from_model: str | None, adapters: Any) -> str | N
     return from_model if from_model is not None else field
 
 
-def constraint(req: _Sampling, tokenizer: Any) -> Constraint | None:
-    """The request's output constraint, compiled once to check it (400 naming the field), or None."""
+def constraint(req: _Sampling, tokenizer: Any, limits: constrain.ConstraintLimits | None = None) -> Constraint | None:
+    """The request's output constraint, compiled once (``toy.engine.constrain.prepare``: guarded, under
+    ``limits``; 400 naming the field), or None. The constraint returned carries the compiled matcher, which
+    each choice's sampler copies, and names the field in its later errors (``origin``)."""
     given: list[tuple[str, Any]] = []
     rf = req.response_format
     if rf is not None and rf.type == "json_object":
@@ -548,7 +551,7 @@ def constraint(req: _Sampling, tokenizer: Any) -> Constraint | None:
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None:
             raise APIError(400, "response_format: type json_schema needs a json_schema object", param="response_format")
-        given.append(("response_format", lambda: Constraint.json_schema(rf.json_schema.schema_)))
+        given.append(("response_format.json_schema.schema", lambda: Constraint.json_schema(rf.json_schema.schema_)))
     if req.json_schema is not None:
         given.append(("json_schema", lambda: Constraint.json_schema(req.json_schema)))
     if req.grammar is not None:
@@ -562,11 +565,9 @@ def constraint(req: _Sampling, tokenizer: Any) -> Constraint | None:
         raise APIError(400, f"{names} both constrain the output; give one of them", param=given[1][0])
     field, make = given[0]
     try:
-        c = make()
-        constrain.check(c, tokenizer)
+        return constrain.prepare(dataclasses.replace(make(), origin=field), tokenizer, limits)
     except constrain.ConstraintError as e:
-        raise APIError(400, f"{field}: {e}", param=field) from None
-    return c
+        raise APIError(400, f"{field}: {e}" + (f" ({e.hint})" if e.hint else ""), param=field) from None
 
 
 def sampling_params(
@@ -595,13 +596,27 @@ def sampling_params(
     ).validate()
 
 
+MAX_TOKEN_ID_DIGITS = 18  # far above any vocabulary; Python refuses int() of more than 4300 digits
+
+
+def _shown(key: str, limit: int = 40) -> str:
+    """A request's key as an error message quotes it: at most ``limit`` characters of it."""
+    return repr(key) if len(key) <= limit else f"{key[:limit]!r}… ({len(key)} characters)"
+
+
 def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-    """The request's ``logit_bias`` as (token id, bias) pairs; 400 for a key that is not a decimal id."""
+    """The request's ``logit_bias`` as (token id, bias) pairs; 400 for a key that is not a decimal id
+    (or has more than ``MAX_TOKEN_ID_DIGITS`` digits after its leading zeros: no vocabulary is that large)."""
     out = []
     for key, value in (bias or {}).items():
         if not (key.isascii() and key.isdigit()):
-            raise APIError(400, f"logit_bias: key {key!r} is not a token id (a decimal integer)", param="logit_bias")
-        out.append((int(key), float(value)))
+            msg = f"logit_bias: key {_shown(key)} is not a token id (a decimal integer)"
+            raise APIError(400, msg, param="logit_bias")
+        digits = key.lstrip("0") or "0"  # int() refuses more than 4300 digits, leading zeros included
+        if len(digits) > MAX_TOKEN_ID_DIGITS:
+            msg = f"logit_bias: key {_shown(key)} is not a token id of this model (too large)"
+            raise APIError(400, msg, param="logit_bias")
+        out.append((int(digits), float(value)))
     return tuple(out)
 
 

@@ -43,6 +43,10 @@ Decisions:
   ``max_adapters`` (8) bounds the selectable adapters loaded at once through
   the API (start-up ones count, but are never refused). Whether a folder
   exists is not checked here: a missing one simply holds no file.
+- ``constraint_timeout`` (10 s) bounds the compile of a request's output
+  constraint (``toy.engine.constrain.prepare``; past it, a 400 naming the
+  field). The constraint's structural limits are the library's
+  (``toy.engine.constrain.ConstraintLimits``).
 - Connections (``toy_serve.conn``): request headers must arrive within
   ``header_timeout`` seconds (10) and a body within ``body_timeout`` (30)
   of its headers, else 408 and the connection closes; at most
@@ -195,6 +199,7 @@ class Settings:
     adapters: tuple[tuple[str, str, float], ...] = ()
     header_timeout: float = 10.0  # seconds for a request's headers to arrive (else 408, the connection closes)
     body_timeout: float = 30.0  # seconds for a request's body to arrive after its headers (else 408)
+    constraint_timeout: float = 10.0  # seconds a response_format/grammar/regex/tool constraint may take to compile
     max_connections: int | None = None  # open connections at most (503 beyond); None = from the descriptor limit
     cache_ram: int = 256  # MB of RAM for the prefix cache's blocks; 0 turns the prefix cache off
     cache_dir: str | None = None  # a folder the prefix cache spills blocks to (survives a restart); None = RAM only
@@ -235,6 +240,12 @@ class Settings:
         _seconds("drain_timeout", self.drain_timeout, 0)
         _seconds("header_timeout", self.header_timeout, MIN_TIMEOUT)
         _seconds("body_timeout", self.body_timeout, MIN_TIMEOUT)
+        _seconds("constraint_timeout", self.constraint_timeout, 0.001)
+        if self.constraint_timeout > 3600:
+            raise BadInputError(
+                f"constraint_timeout={self.constraint_timeout!r} must be at most 3600 seconds",
+                field="constraint_timeout",
+            )
         _int("max_connections", self.max_connections, 1, 1_000_000, optional=True)
         _str("runs_dir", self.runs_dir, optional=True)
         _int("cache_ram", self.cache_ram, 0, 1 << 30)

@@ -25,7 +25,10 @@ Decisions:
   renders them and parses what the model writes; ``"required"`` and a named
   function force a call with a constraint (a Lark grammar: one call, or one
   or more with ``parallel_tool_calls``, each argument object constrained to
-  its function's JSON schema, numbers bounded as in ``toy.engine.constrain``).
+  its function's JSON schema, numbers bounded as in ``toy.engine.constrain``;
+  parameters with local ``$ref`` pointers, as pydantic writes them
+  (``"$ref": "#/$defs/City"``), are moved under the call schema's own
+  ``$defs`` with their pointers rewritten, see ``call_schema``).
   Under ``"auto"`` a function's ``strict: true`` constrains the reply too
   (``strict_auto``): the model may write any text, or text and then calls;
   once it writes ``<tool_call>`` the block must be a call of a given
@@ -53,9 +56,10 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Callable
 from typing import Any
 
-from toy.engine.constrain import Constraint, bounded_numbers
+from toy.engine.constrain import Constraint, ConstraintError, bounded_numbers
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -120,23 +124,60 @@ def render_messages(messages: list[dict[str, Any]], tools: list[dict], native: b
     return out
 
 
+# keywords whose value is a map of name -> subschema (a name may be any string, "$ref" or "enum" too)
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+# keywords whose value is data, not a schema: a "$ref" key inside is not a reference
+_DATA = frozenset({"enum", "const", "default", "examples"})
+
+
+def relocate(schema: Any, base: str) -> Any:
+    """``schema`` as it reads when moved to the JSON pointer ``base`` (``#/$defs/tool0``) of a larger
+    document: every local ``$ref`` (``#``, ``#/$defs/City``, ``#/properties/a``, at any depth, in its own
+    ``$defs``/``definitions`` too) is prefixed with ``base``, so it names the same place after the move.
+    Other references (``#anchor``, remote URIs) and data (``enum``, ``const``, ``default``, ``examples``)
+    are left as they are."""
+    if isinstance(schema, list):
+        return [relocate(v, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+            out[k] = base + v[1:]
+        elif k in _DATA:
+            out[k] = v
+        elif k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: relocate(sub, base) for name, sub in v.items()}
+        else:
+            out[k] = relocate(v, base)
+    return out
+
+
 def call_schema(tools: list[dict], strict_only: bool = False) -> dict[str, Any]:
     """The JSON schema of one call to any of ``tools`` (``strict_only``: the arguments of a function
-    without ``strict`` are any object)."""
-    options = []
-    for t in tools:
+    without ``strict`` are any object). A function's parameters that refer to themselves (``$ref``:
+    pydantic's ``#/$defs/City``, a recursive ``#``) move to ``#/$defs/tool<N>`` of the call schema (N its
+    index in ``tools``, so two functions' ``City`` never clash), their references rewritten by
+    ``relocate``, and ``arguments`` refers to them there; parameters without references stay inline."""
+    options, defs = [], {}
+    for i, t in enumerate(tools):
         f = t["function"]
         params = f.get("parameters") or EMPTY_PARAMS
         if strict_only and not f.get("strict"):
             params = {"type": "object"}
+        args = bounded_numbers(params)
+        key = f"tool{i}"
+        moved = relocate(args, f"#/$defs/{key}")
+        if moved != args:  # it holds a local reference: resolve it where the parameters now live
+            defs[key], args = moved, {"$ref": f"#/$defs/{key}"}
         options.append({
             "type": "object",
-            "properties": {"name": {"const": f["name"]}, "arguments": bounded_numbers(params)},
+            "properties": {"name": {"const": f["name"]}, "arguments": args},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         })  # fmt: skip
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": {"whitespace_flexible": False}}
+    return {**({"$defs": defs} if defs else {}), **schema, "x-guidance": {"whitespace_flexible": False}}
 
 
 def forced_call(tools: list[dict], parallel: bool) -> Constraint:
@@ -161,6 +202,26 @@ def strict_auto(tools: list[dict], parallel: bool) -> Constraint | None:
         body,
     ]
     return Constraint.grammar("\n".join(lines) + "\n")
+
+
+def blame(tools: list[dict], used: list[dict], compile_schema: Callable[[dict], Any]) -> tuple[str, str] | None:
+    """After the call grammar over ``used`` failed to compile: ``(field, message)`` for the first function
+    of ``used`` (in ``tools`` order) whose ``parameters`` do not compile on their own as a JSON schema
+    (``compile_schema(parameters)`` raises ``ConstraintError``): ``field`` is ``tools.N.function.parameters``
+    (N its index in ``tools``), ``message`` names it and says why, in terms of the schema the client sent
+    (never toy's call grammar). None when each compiles alone. Any other exception of ``compile_schema``
+    (a spent time budget) propagates."""
+    for i, t in enumerate(tools):
+        params = t["function"].get("parameters")
+        if not any(u is t for u in used) or not isinstance(params, dict):
+            continue
+        try:
+            compile_schema(params)
+        except ConstraintError as e:
+            where = f"tools.{i}.function.parameters"
+            hint = f" ({e.hint})" if e.hint else ""
+            return where, f"{where} (function {t['function']['name']!r}): {e}{hint}"
+    return None
 
 
 def new_call_id() -> str:
@@ -247,9 +308,11 @@ __all__ = [
     "NAME_RE",
     "OPEN",
     "ToolParser",
+    "blame",
     "call_schema",
     "forced_call",
     "new_call_id",
+    "relocate",
     "render_messages",
     "template_knows_tools",
 ]

@@ -34,7 +34,12 @@ reported with ``"stop": True`` and empty text, and counted in the usage), ``{"ty
 "embedding", "vector"}``, ``{"type": "done", "finish_reason", "usage",
 "timings"}`` and ``{"type": "error", "message", "shutting_down"}``
 (``shutting_down``: the job was ended by the server stopping, a 503, not by a
-failure). ``done`` or ``error`` is always the last event. A cancelled job
+failure; ``bad_input``, ``param``, ``hint``: the job's own bad input, a 400).
+``done`` or ``error`` is always the last event. A failure of one job's token
+step (its sampler or constraint: a constraint that reaches a parser limit in
+the middle of its output) ends that job alone, with an error naming its
+field; only a failure of the forward pass itself ends every job in flight,
+with a message that carries no detail of the exception. A cancelled job
 (client gone) frees its slot at the next step and ends with finish_reason
 "cancelled".
 
@@ -241,6 +246,17 @@ class EngineWorker:
     def active(self) -> int:
         return sum(j is not None for j in self._slots)
 
+    def ensure_room(self, n: int) -> None:
+        """QueueFullError when ``n`` more jobs would not fit the queue now (a request checks this before its
+        expensive preparation, such as compiling a constraint; ``submit`` checks again)."""
+        with self._cv:
+            if self._stop:
+                raise QueueFullError("the server is shutting down", shutting_down=True)
+            free = self._slots.count(None)
+            waiting = sum(not j.cancelled.is_set() for j in self._queue)
+            if waiting + n - free > self.max_queue:
+                raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting)")
+
     def submit(self, job: Job) -> Job:
         """Queue a job; raises BadInputError (prompt/budget) or QueueFullError."""
         if not job.ids:
@@ -294,7 +310,9 @@ class EngineWorker:
                 log.exception("engine step failed")
                 for i, j in enumerate(self._slots):
                     if j is not None:
-                        self._fail(j, f"internal error: {type(e).__name__}: {e}")
+                        self._fail(
+                            j, f"internal error: the engine step failed ({type(e).__name__}; see the server log)"
+                        )
                         self._slots[i] = None
                         self.engine.cache.clear(i)
         with self._cv:
@@ -340,7 +358,10 @@ class EngineWorker:
                     log.exception("could not start %s", job.id)
                     if 0 <= job.slot < self.n_slot and self._slots[job.slot] is job:
                         self._slots[job.slot] = None
-                    self._fail(job, f"{type(e).__name__}: {e}")
+                    if isinstance(e, BadInputError):
+                        self._fail(job, str(e), param=getattr(e, "field", None), hint=e.hint)
+                    else:
+                        self._fail(job, f"internal error: this request could not start ({type(e).__name__})")
 
     def _place(self, job: Job) -> None:
         """Put a queued job into the free slot that shares the longest prefix (``reuse_prefix``, the library's rule)."""
@@ -460,7 +481,7 @@ class EngineWorker:
                 self._emit(j, {"type": "prompt_logprobs", "items": j.prompt_lp})
             self._to_prefix_cache(j)
             j.phase = "decode"
-            self._after_forward(j, logits)
+            self._token_steps(j, logits)
 
     def _score(self, j: Job, rows: np.ndarray, start: int) -> None:
         """Logprob of each prompt token given its prefix (row i predicts token i+1)."""
@@ -478,6 +499,25 @@ class EngineWorker:
                 ids, vals = top_logprobs(rows[r], n)
                 item["top"] = [(int(i), float(v)) for i, v in zip(ids, vals)]
             j.prompt_lp.append(item)
+
+    def _token_steps(self, j: Job, logits: np.ndarray, draft: Sequence[int] = (), base: int = 0) -> None:
+        """``_after_forward``, where a failure is this job's alone (its sampler or constraint: bad input, such as
+        a constraint that reaches a parser limit mid-output): the job ends with an error naming its field, its
+        slot is freed, and the other jobs of the step go on."""
+        try:
+            self._after_forward(j, logits, draft, base)
+        except Exception as e:  # noqa: BLE001 - one sequence's failure
+            if j.phase == "done":  # it had ended (its last event sent): only the log hears of it
+                log.exception("%s failed after it ended", j.id)
+            elif isinstance(e, BadInputError):
+                log.info("%s failed: %s", j.id, e)
+                self._fail(j, str(e), param=getattr(e, "field", None), hint=e.hint)
+            else:
+                log.exception("%s failed", j.id)
+                self._fail(j, "internal error: this request's token step failed")
+            if 0 <= j.slot < self.n_slot and self._slots[j.slot] is j:
+                self._slots[j.slot] = None
+                self.engine.cache.clear(j.slot)
 
     def _after_forward(self, j: Job, logits: np.ndarray, draft: Sequence[int] = (), base: int = 0) -> None:
         """The token steps over ``logits``: one row (``DecodeState.advance``), or a verify's rows for ``draft``
@@ -564,7 +604,7 @@ class EngineWorker:
             out = list(eng.decode([j.slot for j in dec], [j.pending for j in dec])[:, None])
         self.costs.record(len(dec) + sum(len(d) for d in drafts), time.perf_counter() - t0)
         for j, d, rows, base in zip(dec, drafts, out, bases):
-            self._after_forward(j, rows, d, base)
+            self._token_steps(j, rows, d, base)
 
     def _extra_rows(self, n: int, dec: list[Job], want: list[int]) -> int:
         """Draft rows a step of ``n`` jobs may add while some of them do not draft: the most whose predicted
@@ -628,8 +668,13 @@ class EngineWorker:
         if self.metrics:
             self.metrics.finished(j, "cancelled", now - j.t_submit)
 
-    def _fail(self, j: Job, message: str, shutting_down: bool = False) -> None:
-        self._emit(j, {"type": "error", "message": message, "shutting_down": shutting_down})
+    def _fail(
+        self, j: Job, message: str, shutting_down: bool = False, param: str | None = None, hint: str | None = None
+    ) -> None:
+        event: dict[str, Any] = {"type": "error", "message": message, "shutting_down": shutting_down}
+        if param is not None or hint is not None:  # bad input of this job's own (a 400 for its request)
+            event.update(bad_input=True, param=param, hint=hint)
+        self._emit(j, event)
         j.phase = "done"
         if self.metrics:
             self.metrics.finished(j, "error", time.perf_counter() - j.t_submit)

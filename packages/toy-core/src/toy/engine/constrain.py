@@ -46,7 +46,41 @@ Decisions:
   (finish_reason "length"), as everywhere.
 - Errors: a schema or grammar llguidance cannot compile raises
   ``ConstraintError`` (bad input: the CLI exits 2, the server answers 400)
-  with llguidance's message, when the ``Sampler`` is made, before any compute.
+  with the first line of llguidance's message (its verbose errors, which
+  quote parser state and the grammar, are off), before any compute. A
+  constraint that fails later, at a step (a parser limit reached in the
+  middle of an output), raises ``ConstraintError`` from that sequence's
+  ``Sampler`` only; its ``field`` is the constraint's ``origin``.
+- Compiling is guarded (``prepare``), because llguidance recurses once per
+  rule or ``$ref`` link while it compiles: a chain of 3,000 Lark rules, or a
+  schema whose ``$defs`` form a 5,000-link ``$ref`` chain, overflowed an
+  8 MB thread stack and killed the process with SIGSEGV. Three guards, in
+  order: (1) ``precheck``, toy's own non-recursive scan of the grammar text,
+  regex or schema against ``ConstraintLimits`` (rules, bracket nesting,
+  subschemas, object/array nesting, the longest ``$ref`` chain,
+  ``patternProperties``), before llguidance or any recursive Python code sees
+  the constraint; (2) the compile runs in a thread of its own with a
+  ``STACK_BYTES`` (256 MB, reserved, not committed) stack: the deepest
+  recursion the limits allow (99 ``$ref`` links, each through 59 levels of
+  ``items``) was measured to need between 8 and 32 MB, and a 30,000-rule
+  Lark chain (15 times the limit) compiles in it;
+  (3) a deadline (``ConstraintLimits.compile_timeout``): a compile past it
+  is answered with ``ConstraintError`` at once (a thread cannot be stopped,
+  so the compile ends in the background, bounded by the limits above).
+  Compiling in a child process instead was the other option: it survives
+  any crash, but the compiled matcher cannot cross a process boundary, so
+  every constraint would be compiled twice, and the child needs the
+  tokenizer (0.3 s to build per child, and a respawn after each crash).
+  llguidance's own ``ParserLimits`` stay at their defaults (they bound the
+  work of a step, not the recursion of a compile).
+- Compile once, copy per sequence: ``prepare`` compiles a constraint for a
+  tokenizer, computes its first mask, and advances a copy by one allowed
+  token (most constraints that cannot be followed fail there: an empty
+  language, ``{"$ref": "#"}``, a repetition or an alternation past the
+  parser's limits); the ``Constraint`` it returns carries the compiled
+  matcher, and each ``Matcher`` made from it starts from a copy (about
+  20 µs) instead of compiling again. A ``Constraint`` that was not prepared
+  is prepared when its ``Matcher`` is made.
 - The llguidance tokenizer (the vocabulary's bytes, control tokens marked)
   is built once per ``toy.tokenizer.Tokenizer`` (about 0.3 s for 49k tokens)
   and cached on it.
@@ -55,8 +89,9 @@ Decisions:
 from __future__ import annotations
 
 import json
+import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -69,6 +104,34 @@ _JSON_DEFAULTS = {"whitespace_flexible": False}
 MAX_INT_DIGITS = 16
 MAX_DECIMALS = 9
 _DATA_KEYS = frozenset({"enum", "const", "default", "examples", "required", "description", "title", "pattern"})
+STACK_BYTES = 256 << 20  # the compile thread's stack (see the module docstring)
+
+
+@dataclass(frozen=True)
+class ConstraintLimits:
+    """What ``precheck`` allows, and how long ``prepare`` waits for a compile (see the module docstring)."""
+
+    max_rules: int = 2_000  # rule definitions in a Lark or GBNF grammar
+    max_nesting: int = 64  # brackets in a grammar or regex; objects and arrays in a JSON schema
+    max_schema_nodes: int = 10_000  # objects and arrays in a JSON schema
+    max_ref_depth: int = 100  # the longest chain of $ref a JSON schema makes the compiler follow
+    max_pattern_properties: int = 100  # patterns in one patternProperties (compile time grows as count**4)
+    compile_timeout: float = 10.0  # seconds
+
+    def validate(self) -> ConstraintLimits:
+        for name in ("max_rules", "max_nesting", "max_schema_nodes", "max_ref_depth", "max_pattern_properties"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise BadInputError(f"{name}={v!r} must be an integer >= 1", field=name)
+        t = self.compile_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 3600:
+            raise BadInputError(
+                f"compile_timeout={t!r} must be a number of seconds in (0, 3600]", field="compile_timeout"
+            )
+        return self
+
+
+LIMITS = ConstraintLimits()
 
 
 def bounded_numbers(schema: Any) -> Any:
@@ -122,6 +185,10 @@ class Constraint:
 
     kind: str
     text: str = ""
+    # the input the constraint came from, named in the errors of its sequences (a server's request field)
+    origin: str = field(default=_FIELD, compare=False, repr=False)
+    # what ``prepare`` compiled (a ``_Compiled``), or None
+    compiled: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
     def json_object(cls) -> Constraint:
@@ -136,8 +203,12 @@ class Constraint:
                 schema = json.loads(schema)
             except ValueError as e:
                 raise ConstraintError(f"the JSON schema is not valid JSON: {e}", field=_FIELD) from None
+            except RecursionError:
+                raise ConstraintError("the JSON schema is nested too deeply", field=_FIELD) from None
         if not isinstance(schema, (dict, bool)):
             raise ConstraintError(f"a JSON schema is an object, not {type(schema).__name__}", field=_FIELD)
+        if isinstance(schema, dict):
+            _check_schema(schema, LIMITS, nesting=_DUMPS_NESTING)  # before json.dumps, which recurses
         return cls("json_schema", json.dumps(schema, ensure_ascii=False))  # key order kept: it is the output's
 
     @classmethod
@@ -190,7 +261,174 @@ def grammar_text(c: Constraint) -> str:
             return llg.LLMatcher.grammar_from_regex(c.text)
         return llg.grammar_from("grammar", c.text)
     except ValueError as e:
-        raise ConstraintError(f"the {c.describe()} cannot be compiled: {e}", field=_FIELD) from None
+        raise ConstraintError(f"the {c.describe()} cannot be compiled: {_reason(str(e))}", field=_FIELD) from None
+
+
+# -- precheck: toy's own non-recursive scan (see the module docstring)
+
+_DUMPS_NESTING = 500  # json.dumps and bounded_numbers recurse once a level (Python's limit is 1000)
+_RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][A-Za-z0-9_.-]*[ \t]*(?:\.-?[0-9]+[ \t]*)?(?:::=|:)", re.M)
+_GRAMMAR_MARKS = re.compile(r'\\.|["()\[\]{}]', re.S)
+_REGEX_MARKS = re.compile(r"\\.|[()\[\]]", re.S)
+
+
+def _too_many(what: str, n: int, limit: int, name: str, hint: str | None = None) -> ConstraintError:
+    return ConstraintError(
+        f"{what}: {n}; at most {limit} are allowed",
+        hint=hint or f"simplify the constraint (the limit is ConstraintLimits.{name})",
+        field=_FIELD,
+    )
+
+
+def _nesting(text: str, marks: re.Pattern, quotes: bool) -> int:
+    """The deepest bracket nesting of ``text`` (escapes skipped; with ``quotes``, "..." literals skipped; a
+    regex character class counts as one level)."""
+    depth = top = 0
+    in_quote = in_class = False
+    for m in marks.finditer(text):
+        ch = m.group()
+        if len(ch) == 2:  # an escaped character
+            continue
+        if in_quote:
+            in_quote = ch != '"'
+            continue
+        if ch == '"':
+            in_quote = quotes
+        elif in_class:
+            if ch == "]":
+                in_class = False
+                depth -= 1
+        elif ch in "([{":
+            depth += 1
+            top = max(top, depth)
+            in_class = ch == "[" and not quotes  # inside a regex class, brackets are characters
+        elif ch in ")]}":
+            depth = max(depth - 1, 0)
+    return top
+
+
+def _check_regex(pattern: str, limits: ConstraintLimits, where: str) -> None:
+    n = _nesting(pattern, _REGEX_MARKS, quotes=False)
+    if n > limits.max_nesting:
+        raise _too_many(f"{where} nests groups too deeply", n, limits.max_nesting, "max_nesting")
+
+
+def _check_grammar(text: str, limits: ConstraintLimits) -> None:
+    # a Lark rule starts a line; a GBNF rule has its "::=" (GBNF also ends a line at a lone "\r")
+    rules = max(sum(1 for _ in _RULE.finditer(text.replace("\r", "\n"))), text.count("::="))
+    if rules > limits.max_rules:
+        raise _too_many("the grammar has too many rules", rules, limits.max_rules, "max_rules")
+    n = _nesting(text, _GRAMMAR_MARKS, quotes=True)
+    if n > limits.max_nesting:
+        raise _too_many("the grammar nests brackets too deeply", n, limits.max_nesting, "max_nesting")
+
+
+def _pointer_key(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def _check_schema(schema: Any, limits: ConstraintLimits, nesting: int | None = None) -> None:
+    """Walk ``schema`` without recursion: objects and arrays, their nesting, regexes, patternProperties,
+    and (unless only ``nesting`` is asked for) the longest ``$ref`` chain."""
+    max_nesting = nesting if nesting is not None else limits.max_nesting
+    nodes = 0
+    # (value, depth, its JSON pointer; None when pointers are not needed)
+    stack: list[tuple[Any, int, str | None]] = [(schema, 1, "#")]
+    refs: list[tuple[str, str]] = []  # (pointer of the node holding the $ref, the $ref)
+    while stack:
+        value, depth, ptr = stack.pop()
+        if not isinstance(value, (dict, list)):
+            continue
+        nodes += 1
+        if depth > max_nesting:
+            raise _too_many("the JSON schema nests objects and arrays too deeply", depth, max_nesting, "max_nesting")
+        if nesting is not None:
+            items = value.values() if isinstance(value, dict) else value
+            stack.extend((v, depth + 1, None) for v in items)
+            continue
+        if nodes > limits.max_schema_nodes:
+            msg = "the JSON schema has too many objects and arrays"
+            raise _too_many(msg, nodes, limits.max_schema_nodes, "max_schema_nodes")
+        if isinstance(value, list):
+            stack.extend((v, depth + 1, f"{ptr}/{i}") for i, v in enumerate(value))
+            continue
+        ref = value.get("$ref")
+        if isinstance(ref, str):
+            refs.append((ptr or "#", ref))
+        pattern = value.get("pattern")
+        if isinstance(pattern, str):
+            _check_regex(pattern, limits, f"the pattern at {ptr}")
+        pp = value.get("patternProperties")
+        if isinstance(pp, dict):
+            if len(pp) > limits.max_pattern_properties:
+                msg = f"patternProperties at {ptr} has too many patterns"
+                raise _too_many(msg, len(pp), limits.max_pattern_properties, "max_pattern_properties")
+            for key in pp:
+                _check_regex(key, limits, f"a patternProperties key at {ptr}")
+        for k, v in value.items():
+            if isinstance(v, (dict, list)):
+                stack.append((v, depth + 1, f"{ptr}/{_pointer_key(str(k))}"))
+    if nesting is None and refs:
+        depth = _ref_depth(refs)
+        if depth > limits.max_ref_depth:
+            raise _too_many("the JSON schema chains $ref too deeply", depth, limits.max_ref_depth, "max_ref_depth")
+
+
+def _ref_depth(refs: list[tuple[str, str]]) -> int:
+    """The longest chain of $ref links (cycles cut where they close): the graph's nodes are the $ref targets
+    and the root; a $ref inside target A (the innermost target that contains it) to target B is an edge A -> B,
+    and so is a target nested inside another."""
+    targets = {"#"}
+    for _, ref in refs:
+        targets.add(ref.rstrip("/") or "#")
+
+    def owner(ptr: str) -> str:  # the innermost target that contains ``ptr`` (itself excluded)
+        while ptr != "#":
+            ptr = ptr.rsplit("/", 1)[0] or "#"
+            if ptr in targets:
+                return ptr
+        return "#"
+
+    edges: dict[str, set[str]] = {t: set() for t in targets}
+    for ptr, ref in refs:
+        src = ptr if ptr in targets else owner(ptr)
+        edges[src].add(ref.rstrip("/") or "#")
+    for t in targets:
+        if t != "#":
+            edges[owner(t)].add(t)
+    longest: dict[str, int] = {}
+    on_path: set[str] = set()
+    stack: list[tuple[str, bool]] = [("#", False)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            on_path.discard(node)
+            longest[node] = 1 + max((longest.get(n, 0) for n in edges[node] if n not in on_path), default=0)
+            continue
+        if node in longest or node in on_path:
+            continue
+        on_path.add(node)
+        stack.append((node, True))
+        stack.extend((n, False) for n in edges[node] if n not in longest and n not in on_path)
+    return longest.get("#", 1) - 1
+
+
+def precheck(c: Constraint, limits: ConstraintLimits = LIMITS) -> None:
+    """``ConstraintError`` when ``c`` is past ``limits`` (rules, nesting, subschemas, $ref chains,
+    patternProperties); a non-recursive scan, cheap next to a compile."""
+    c.validate()
+    if c.kind == "json_schema":
+        try:
+            schema = json.loads(c.text)
+        except RecursionError:
+            raise ConstraintError("the JSON schema is nested too deeply", field=_FIELD) from None
+        except ValueError as e:
+            raise ConstraintError(f"the JSON schema is not valid JSON: {e}", field=_FIELD) from None
+        _check_schema(schema, limits)
+    elif c.kind == "grammar":
+        _check_grammar(c.text, limits)
+    elif c.kind == "regex":
+        _check_regex(c.text, limits, "the regex")
 
 
 _TOKENIZERS_LOCK = threading.Lock()
@@ -236,31 +474,118 @@ def ll_tokenizer(tokenizer):
     return cached
 
 
-def check(c: Constraint, tokenizer) -> str:
-    """Compile ``c`` for ``tokenizer`` and return its grammar; ``ConstraintError`` naming the problem."""
+def _reason(err: str) -> str:
+    """llguidance's message without internal detail: its first line and its ``error:`` lines (a regex's),
+    at most 300 characters."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip() and not ln.strip().startswith("<")]
+    kept = lines[:1] + [ln for ln in lines[1:] if ln.startswith("error:")]
+    line = " ".join(kept).removeprefix("Warning: ")
+    if line == "NoExtensionBias":  # llguidance's name for "no token is allowed here"
+        line = "no token can continue it"
+    return line if len(line) <= 300 else line[:299] + "…"
+
+
+class _Compiled:
+    """A constraint compiled for one llguidance tokenizer: a matcher at its start (never advanced), copied for
+    each sequence."""
+
+    def __init__(self, lt, text: str, base):
+        self.lt, self.text, self._base = lt, text, base
+
+    def matcher(self):
+        return self._base.deep_copy()
+
+
+_STACK_LOCK = threading.Lock()
+
+
+def _in_big_stack(fn, timeout: float, what: str):
+    """``fn()`` on a thread with a ``STACK_BYTES`` stack; ``ConstraintError`` when it takes longer than
+    ``timeout`` seconds (the thread then finishes in the background)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    with _STACK_LOCK:  # the stack size is a process-wide setting for new threads: set, start, restore
+        old = threading.stack_size(STACK_BYTES)
+        try:
+            t = threading.Thread(target=run, name="toy-constraint-compile", daemon=True)
+            t.start()
+        finally:
+            threading.stack_size(old)
+    t.join(timeout)
+    if t.is_alive():
+        raise ConstraintError(
+            f"the {what} took longer than {timeout:g} s to compile",
+            hint="simplify it (fewer patterns, rules or alternatives)",
+            field=_FIELD,
+        )
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _compile(c: Constraint, lt) -> _Compiled:
+    """Compile ``c`` (on the big-stack thread), compute its first mask and advance a copy by one allowed token."""
+    llg = _llg()
     text = grammar_text(c)
-    err = _llg().LLMatcher.validate_grammar(text, ll_tokenizer(tokenizer))
-    if err:
-        raise ConstraintError(f"the {c.describe()} cannot be compiled: {err}", field=_FIELD)
-    return text
+    m = llg.LLMatcher(lt, text, log_level=0, limits=llg.LLParserLimits(verbose_errors=False))
+    if m.is_error():
+        raise ConstraintError(f"the {c.describe()} cannot be compiled: {_reason(m.get_error())}", field=_FIELD)
+    mask = np.frombuffer(m.compute_bitmask(), np.uint8)
+    if not m.is_error():
+        allowed = np.flatnonzero(np.unpackbits(mask, bitorder="little")[: lt.vocab_size])
+        ends = set(lt.eos_tokens)
+        first = next((int(t) for t in allowed if int(t) not in ends), None)
+        if first is not None:
+            probe = m.deep_copy()
+            if not probe.consume_token(first) or probe.is_error():
+                m = probe
+    if m.is_error():
+        msg = f"the {c.describe()} cannot be followed: {_reason(m.get_error())}"
+        hint = "no text matches it, or it needs more work per token than the compiler's limits allow"
+        raise ConstraintError(msg, hint=hint, field=_FIELD)
+    return _Compiled(lt, text, m)
+
+
+def prepare(c: Constraint, tokenizer, limits: ConstraintLimits | None = None) -> Constraint:
+    """``c`` compiled for ``tokenizer``: the same constraint carrying its compiled matcher, which each
+    ``Matcher`` made from it copies. Runs ``precheck``, then the compile on a big-stack thread under the
+    deadline (see the module docstring); ``ConstraintError`` names the problem."""
+    limits = (limits or LIMITS).validate()
+    lt = ll_tokenizer(tokenizer)
+    if c.compiled is not None and c.compiled.lt is lt:
+        return c
+    precheck(c, limits)
+    compiled = _in_big_stack(lambda: _compile(c, lt), limits.compile_timeout, c.describe())
+    return replace(c, compiled=compiled)
+
+
+def check(c: Constraint, tokenizer) -> str:
+    """Compile ``c`` for ``tokenizer`` (``prepare``) and return its grammar; ``ConstraintError`` naming the
+    problem."""
+    return prepare(c, tokenizer).compiled.text
 
 
 class Matcher:
     """One sequence's position in a constraint: ``mask(logits)`` sets disallowed tokens to ``-inf``
-    (in place), ``advance(token)`` moves past a sampled token, ``done`` says nothing can follow."""
+    (in place), ``advance(token)`` moves past a sampled token, ``done`` says nothing can follow.
+    A constraint that was not prepared for ``tokenizer`` is prepared here."""
 
     def __init__(self, c: Constraint, tokenizer, n_vocab: int):
-        llg = _llg()
         self.constraint = c
         self.n_vocab = n_vocab
         lt = ll_tokenizer(tokenizer)
-        self._m = llg.LLMatcher(lt, check(c, tokenizer))
-        if self._m.is_error():
-            msg = f"the {c.describe()} cannot be compiled: {self._m.get_error()}"
-            raise ConstraintError(msg, field=_FIELD)
+        compiled = c.compiled if c.compiled is not None and c.compiled.lt is lt else prepare(c, tokenizer).compiled
+        self._m = compiled.matcher()
         self._n_tok = min(lt.vocab_size, n_vocab)  # rows past the tokenizer's vocabulary (padding) stay masked
         self._words = np.zeros((lt.vocab_size + 31) // 32, np.uint32)
         self._allowed = np.zeros(n_vocab, bool)
+        self._steps = 0
         self.done = False
 
     def allowed(self) -> np.ndarray:
@@ -281,12 +606,27 @@ class Matcher:
             self._raise_on_error()
             msg = f"token {token} does not continue the {self.constraint.describe()}"
             raise ConstraintError(msg, field="token")
+        self._steps += 1
         self.done = self._m.is_stopped()
 
     def _raise_on_error(self) -> None:
         if self._m.is_error():
-            msg = f"the {self.constraint.describe()} failed: {self._m.get_error()}"
-            raise ConstraintError(msg, field=_FIELD)
+            c = self.constraint
+            msg = f"the {c.describe()} could not be followed after {self._steps} tokens: {_reason(self._m.get_error())}"
+            hint = "it needs more work per token than the compiler's limits allow; simplify it"
+            raise ConstraintError(msg, hint=hint, field=c.origin)
 
 
-__all__ = ["KINDS", "Constraint", "ConstraintError", "Matcher", "check", "grammar_text", "ll_tokenizer"]
+__all__ = [
+    "KINDS",
+    "LIMITS",
+    "Constraint",
+    "ConstraintError",
+    "ConstraintLimits",
+    "Matcher",
+    "check",
+    "grammar_text",
+    "ll_tokenizer",
+    "precheck",
+    "prepare",
+]

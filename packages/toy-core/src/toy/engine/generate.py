@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -376,7 +376,8 @@ class Model:
                 field="prompt",
             )
         if params.constraint is not None:  # a schema or grammar that cannot compile fails here, not mid-stream
-            constrain.check(params.constraint, self.tokenizer)
+            # compiled once (guarded: toy.engine.constrain.prepare); the Sampler copies the compiled matcher
+            params = replace(params, constraint=constrain.prepare(params.constraint, self.tokenizer))
         stream = Stream(iter(()))
         stream._gen = self._run(ids, params, cache_prompt, stream, which, proposer)
         return stream
