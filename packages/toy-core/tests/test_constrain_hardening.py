@@ -225,6 +225,41 @@ def test_a_compile_past_the_deadline_is_refused(tok):
         ConstraintLimits(compile_timeout=0).validate()
 
 
+def test_overdue_compiles_hold_their_places_until_they_end(tok, monkeypatch):
+    """A compile past its deadline keeps running (a thread cannot be stopped); at most MAX_COMPILING run at once,
+    so hostile constraints cannot pile up threads: the next one is ConstraintBusyError once its deadline passes."""
+    import threading
+
+    gate = threading.Event()
+    real = constrain._compile
+
+    def stuck(c, lt):  # a compile that ends only when the test says so
+        gate.wait(30)
+        return real(c, lt)
+
+    monkeypatch.setattr(constrain, "_compile", stuck)
+    fast = ConstraintLimits(compile_timeout=0.05)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    try:
+        for _ in range(constrain.MAX_COMPILING):
+            with pytest.raises(ConstraintError, match="took longer than 0.05 s"):
+                constrain.prepare(Constraint.json_schema(schema), tok, fast)
+        alive = [t for t in threading.enumerate() if t.name == "toy-constraint-compile"]
+        assert len(alive) == constrain.MAX_COMPILING
+        t0 = time.monotonic()
+        with pytest.raises(constrain.ConstraintBusyError, match="still compiling"):
+            constrain.prepare(Constraint.json_schema(schema), tok, fast)
+        assert 0.04 < time.monotonic() - t0 < 1.0  # waited its own deadline for a place, no longer
+        assert not isinstance(constrain.ConstraintBusyError("x"), BadInputError)  # not the request's fault
+    finally:
+        gate.set()
+    for t in alive:
+        t.join(30)
+    # every place is free again: a normal compile goes through
+    monkeypatch.setattr(constrain, "_compile", real)
+    assert constrain.prepare(Constraint.json_schema(schema), tok).compiled is not None
+
+
 def test_toy_infer_refuses_a_chain_of_rules(smollm2_path, tmp_path):
     g = tmp_path / "chain.lark"
     g.write_text(lark_chain(3000))

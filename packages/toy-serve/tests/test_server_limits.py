@@ -199,3 +199,34 @@ def test_model_alias(one_slot_model, serve_settings, serving, smollm2_path):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="SmolLM2", prompt="hi", max_tokens=1)
         assert e.value.code == "model_not_found" and "my-model" in e.value.message
+
+
+def test_constraint_compilers_busy_is_503_with_retry_after(serve_model, serve_settings, serving, monkeypatch):
+    """Every compile place held by compiles past their deadline (they cannot be stopped): the next constrained
+    request is a 503 with Retry-After, not a 400 (the request is fine) and not another thread."""
+    import threading
+
+    from toy.engine import constrain
+
+    gate = threading.Event()
+    real = constrain._compile
+    monkeypatch.setattr(constrain, "_compile", lambda c, lt: gate.wait(30) and real(c, lt))
+    with serving(serve_settings(constraint_timeout=0.2), serve_model) as live:
+        alias = live.srv.settings.alias
+        body = {"model": alias, "prompt": PROMPT, "max_tokens": 2, "regex": "[0-9]+"}
+        try:
+            for _ in range(constrain.MAX_COMPILING):  # each one overdue: a 400 naming the deadline
+                r = live.http.post("/v1/completions", json=body)
+                assert r.status_code == 400 and "took longer than 0.2 s" in error_of(r)["message"], r.text
+            r = live.http.post("/v1/completions", json=body)
+            assert r.status_code == 503, r.text
+            assert r.headers["retry-after"] == "1"
+            err = error_of(r)
+            assert err["code"] == "constraint_compilers_busy" and err["type"] == "server_error"
+            assert live.http.get("/health").status_code == 200
+        finally:
+            gate.set()
+        monkeypatch.setattr(constrain, "_compile", real)
+        wait_until(lambda: not any(t.name == "toy-constraint-compile" for t in threading.enumerate()), what="compiles")
+        r = live.http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text

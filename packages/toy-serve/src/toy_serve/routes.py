@@ -60,6 +60,8 @@ def toy_error(srv: Server, request: Request, exc: ToyError) -> APIError:
         if srv.status == "stopping" or exc.shutting_down:
             return APIError(503, str(exc), type="server_error", headers={"retry-after": "1"})
         return APIError(429, str(exc), type="rate_limit_error", code="queue_full", headers={"retry-after": "1"})
+    if isinstance(exc, constrain.ConstraintBusyError):  # every compile place is taken: not the request's fault
+        return APIError(503, msg, type="server_error", code="constraint_compilers_busy", headers={"retry-after": "1"})
     if isinstance(exc, (BadInputError, ChatTemplateError, TokenizerError)):
         # the error carries its field in toy's names (toy.errors); param_of says what the request calls it
         lp = "top_logprobs" if path == CHAT else "logprobs"

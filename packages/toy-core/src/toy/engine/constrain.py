@@ -66,7 +66,11 @@ Decisions:
   Lark chain (15 times the limit) compiles in it;
   (3) a deadline (``ConstraintLimits.compile_timeout``): a compile past it
   is answered with ``ConstraintError`` at once (a thread cannot be stopped,
-  so the compile ends in the background, bounded by the limits above).
+  so the compile ends in the background, bounded by the limits above). At
+  most ``MAX_COMPILING`` (4) compiles run at once, overdue ones included: a
+  fifth waits up to its own deadline for a place, then fails with
+  ``ConstraintBusyError`` (the server's 503 with Retry-After), so overdue
+  compiles cannot pile up without bound.
   Compiling in a child process instead was the other option: it survives
   any crash, but the compiled matcher cannot cross a process boundary, so
   every constraint would be compiled twice, and the child needs the
@@ -96,7 +100,7 @@ from typing import Any
 
 import numpy as np
 
-from toy.errors import BadInputError
+from toy.errors import BadInputError, ToyError
 
 KINDS = ("json", "json_schema", "grammar", "regex")
 MAX_CONSTRAINT_CHARS = 1_000_000
@@ -497,6 +501,14 @@ class _Compiled:
 
 
 _STACK_LOCK = threading.Lock()
+MAX_COMPILING = 4  # compile threads alive at once; a compile past its deadline keeps its place until it ends
+_COMPILING = threading.BoundedSemaphore(MAX_COMPILING)
+
+
+class ConstraintBusyError(ToyError):
+    """Every compile place is held by a compile still running (one past its deadline cannot be stopped and ends
+    in the background), so no new constraint can be compiled now: not the request's fault; the server answers
+    503 with Retry-After."""
 
 
 def _in_big_stack(fn, timeout: float, what: str):
@@ -504,19 +516,31 @@ def _in_big_stack(fn, timeout: float, what: str):
     ``timeout`` seconds (the thread then finishes in the background)."""
     box: dict[str, Any] = {}
 
+    if not _COMPILING.acquire(timeout=timeout):
+        raise ConstraintBusyError(
+            f"{MAX_COMPILING} constraints are still compiling (those past their deadline end in the background)",
+            hint="try again shortly",
+        )
+
     def run() -> None:
         try:
             box["value"] = fn()
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             box["error"] = e
-
-    with _STACK_LOCK:  # the stack size is a process-wide setting for new threads: set, start, restore
-        old = threading.stack_size(STACK_BYTES)
-        try:
-            t = threading.Thread(target=run, name="toy-constraint-compile", daemon=True)
-            t.start()
         finally:
-            threading.stack_size(old)
+            _COMPILING.release()  # the place is held until the compile really ends, deadline or not
+
+    try:
+        with _STACK_LOCK:  # the stack size is a process-wide setting for new threads: set, start, restore
+            old = threading.stack_size(STACK_BYTES)
+            try:
+                t = threading.Thread(target=run, name="toy-constraint-compile", daemon=True)
+                t.start()
+            finally:
+                threading.stack_size(old)
+    except BaseException:
+        _COMPILING.release()  # the thread never started
+        raise
     t.join(timeout)
     if t.is_alive():
         raise ConstraintError(
@@ -621,6 +645,7 @@ __all__ = [
     "KINDS",
     "LIMITS",
     "Constraint",
+    "ConstraintBusyError",
     "ConstraintError",
     "ConstraintLimits",
     "Matcher",
