@@ -282,6 +282,11 @@ ERROR_CODES: dict[str, tuple[int, str, str]] = {
     "invalid_api_key": (401, "invalid_request_error", "the API key is missing or wrong"),
     "not_found": (404, "invalid_request_error", "no such path"),
     "slot_busy": (409, "invalid_request_error", "the slot is processing a request"),
+    "constraint_compilers_busy": (
+        503,
+        "server_error",
+        "every constraint-compile place is held by compiles still running (with `Retry-After`); try again",
+    ),
     "method_not_allowed": (405, "invalid_request_error", "the path exists, the method does not"),
     "request_timeout": (
         408,
