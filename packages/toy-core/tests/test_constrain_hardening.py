@@ -29,31 +29,11 @@ import pytest
 from toy.engine import constrain
 from toy.engine.constrain import Constraint, ConstraintError, ConstraintLimits
 from toy.errors import BadInputError
+from toy_testsupport.hostile import gbnf_chain, lark_chain, ref_chain
 
 pytestmark = pytest.mark.model
 
 MEMORY_LIMIT = 4 << 30  # address space of the child (the 256 MB compile stack is reserved inside it)
-
-
-def lark_chain(n: int) -> str:
-    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(n)) + f'r{n}: "a"\n'
-
-
-def gbnf_chain(n: int) -> str:
-    return "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(n)) + f'r{n} ::= "a"\n'
-
-
-def ref_chain(n: int, wrap: str | None = None) -> dict:
-    defs: dict = {}
-    for i in range(n):
-        ref: dict = {"$ref": f"#/$defs/d{i + 1}"}
-        if wrap == "items":
-            ref = {"type": "array", "items": ref}
-        elif wrap == "anyOf":
-            ref = {"anyOf": [ref, {"type": "null"}]}
-        defs[f"d{i}"] = ref
-    defs[f"d{n}"] = {"type": "integer"}
-    return {"$defs": defs, "$ref": "#/$defs/d0"}
 
 
 # (name, kind, payload, words the error must contain)

@@ -32,22 +32,9 @@ from toy.train.lmrun import Hooks, resume, train
 from toy_testsupport import train_helpers as th
 from toy_testsupport.checkpoint_edit import edit_checkpoint
 from toy_testsupport.cli_helpers import assert_clean_error, run
-from toy_testsupport.train_helpers import python_docs_corpus
+from toy_testsupport.train_helpers import TINY_SCRATCH, python_docs_corpus
 
-SMALL = {
-    "model.preset": None,
-    "model.d_model": 32,
-    "model.n_layer": 2,
-    "model.n_head": 4,
-    "model.n_head_kv": 2,
-    "model.d_ff": 64,
-    "tokenizer.vocab_size": 300,
-    "batch_size": 2,
-    "context": 32,
-    "threads": 1,
-    "eval_every": 0,
-    "sample_tokens": 0,
-}
+SMALL = TINY_SCRATCH
 P = "blk.1.ffn_up.weight"  # a trained matrix
 NORM = "blk.0.attn_norm.weight"
 

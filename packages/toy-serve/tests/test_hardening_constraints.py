@@ -32,32 +32,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from toy_testsupport.hostile import gbnf_chain, lark_chain, ref_chain
+
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 HEALTH_S = 2.0  # /health must answer within this while a hostile request is handled (the old code: 7 s and more)
 MEMORY_LIMIT = 4 << 30  # the server's address space (about 1.2 GB of it is mapped: the model, thread stacks)
 PLAIN = {"prompt": "The capital of France is", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
-
-
-def lark_chain(n: int) -> str:
-    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(n)) + f'r{n}: "a"\n'
-
-
-def gbnf_chain(n: int) -> str:
-    return "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(n)) + f'r{n} ::= "a"\n'
-
-
-def ref_chain(n: int, wrap: str | None = None) -> dict:
-    defs: dict = {}
-    for i in range(n):
-        ref: dict = {"$ref": f"#/$defs/d{i + 1}"}
-        if wrap == "items":
-            ref = {"type": "array", "items": ref}
-        elif wrap == "anyOf":
-            ref = {"anyOf": [ref, {"type": "null"}]}
-        defs[f"d{i}"] = ref
-    defs[f"d{n}"] = {"type": "integer"}
-    return {"$defs": defs, "$ref": "#/$defs/d0"}
 
 
 def slow_schema(objects: int) -> dict:

@@ -3,13 +3,30 @@
 tests, seeded LoRA adapters, an instruct example's loss spans, and what the
 fine-tuning recipe tests (llama, Gemma, MoE) share: a run's config, its
 events, a run stopped and resumed, the saved optimizer state, the run
-bundle's checks."""
+bundle's checks; ``TINY_SCRATCH``, the hardening tests' from-scratch config."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+
+#: a from-scratch config small enough for hardening tests (``toy.train.config.override`` keys): 2 layers of
+#: width 32, a 300-token BPE, one thread, no eval or samples
+TINY_SCRATCH = {
+    "model.preset": None,
+    "model.d_model": 32,
+    "model.n_layer": 2,
+    "model.n_head": 4,
+    "model.n_head_kv": 2,
+    "model.d_ff": 64,
+    "tokenizer.vocab_size": 300,
+    "batch_size": 2,
+    "context": 32,
+    "threads": 1,
+    "eval_every": 0,
+    "sample_tokens": 0,
+}
 
 
 @dataclass
