@@ -13,8 +13,11 @@ default:
 setup *args:
     python3 tools/setup_env.py {{args}}
 
-# Install toy as a user gets it into .venv: build the wheels (compiling ggml is the long step) and
-# install them with their runtime dependencies only (README command 1). `--serve` adds toy-serve, `--vit` toy-vit.
+# Install toy as a user gets it into .venv: build the wheels (compiling ggml is the long step; each wheel is
+# built once per source state, in build/wheels/) and install them with their runtime dependencies only (README
+# command 1). The options state the wanted set: `--serve` toy-serve, `--vit` toy-vit, `--plot` matplotlib; a
+# part installed before and not named now is removed, in seconds, with no rebuild. `--cpu-variants x64,haswell`
+# compiles fewer ggml CPU variants (a faster first build). docs/guide/installing.md has the details.
 # When .venv is the development environment (`just setup`), that is refreshed instead.
 [doc('Install toy into .venv as a user gets it: wheels and runtime dependencies only (README command 1).')]
 install *args:

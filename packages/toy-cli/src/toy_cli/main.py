@@ -11,7 +11,7 @@ so ``toy --help`` and ``toy describe`` stay fast.
 Other distributions add subcommands through the ``toy.commands`` entry-point
 group (each entry point is a ``typer.Typer`` or a function registered as a
 command). Known optional ones that are not installed answer with a hint
-naming the package to install.
+naming the command that installs them (``toy.extras.install_command``).
 """
 
 from __future__ import annotations
@@ -162,11 +162,21 @@ def devices(as_json: AsJson = False) -> None:
     typer.echo(f"cpu features: {' '.join(build['cpu_features'])}; threads: {build['default_threads']}", err=True)
 
 
-def _missing(name: str, dist: str):
-    def cmd() -> None:
-        raise bad_input(f"'toy {name}' is not installed", f"pip install {dist}")
+def _install_hint(name: str, dist: str) -> str:
+    """The command that installs an optional command (toy.extras: the way that works for how toy was
+    installed), or plain ``pip install <dist>`` for a name toy.extras does not know."""
+    from toy.extras import EXTRAS, install_command
 
-    cmd.__doc__ = f"(not installed: pip install {dist})"
+    return install_command(name) if name in EXTRAS else f"pip install {dist}"
+
+
+def _missing(name: str, dist: str):
+    hint = _install_hint(name, dist)
+
+    def cmd() -> None:
+        raise bad_input(f"'toy {name}' is not installed", hint)
+
+    cmd.__doc__ = f"(not installed: {hint})"
     return cmd
 
 

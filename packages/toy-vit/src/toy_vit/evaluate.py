@@ -57,10 +57,10 @@ from typing import Any
 import numpy as np
 
 from toy.errors import BadInputError, DataError, PlotUnavailableError, ToyError
+from toy.extras import install_command
 
 SPLITS = ("val", "train", "all")
 PLOT_FORMATS = (".png", ".svg", ".pdf")
-PLOT_HINT = "pip install 'toy-vit[plot]'"
 
 Progress = Callable[[str, int, int], None]
 
@@ -382,7 +382,9 @@ def _matplotlib():
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as e:
-        raise PlotUnavailableError(f"plotting the confusion matrix needs matplotlib ({e})", hint=PLOT_HINT) from e
+        raise PlotUnavailableError(
+            f"plotting the confusion matrix needs matplotlib ({e})", hint=install_command("plot")
+        ) from e
     return Figure, FigureCanvasAgg
 
 

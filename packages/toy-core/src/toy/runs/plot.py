@@ -27,10 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from toy.errors import BadInputError, PlotUnavailableError  # PlotUnavailableError: toy_vit raises it too
+from toy.extras import install_command
 from toy.runs.reader import Run, loss_curve, lr_curve, val_curves
 
 FORMATS = (".png", ".svg", ".pdf")
-INSTALL_HINT = "pip install 'toy-cli[plot]'"
+
+
+def install_hint() -> str:
+    """The command that brings matplotlib, for how toy was installed (toy.extras)."""
+    return install_command("plot")
 
 
 def _matplotlib() -> Any:
@@ -39,7 +44,7 @@ def _matplotlib() -> Any:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as e:
-        raise PlotUnavailableError(f"plotting runs needs matplotlib ({e})", hint=INSTALL_HINT) from e
+        raise PlotUnavailableError(f"plotting runs needs matplotlib ({e})", hint=install_hint()) from e
     return matplotlib, Figure, FigureCanvasAgg
 
 
@@ -130,4 +135,4 @@ def plot_runs(
     return info
 
 
-__all__ = ["FORMATS", "INSTALL_HINT", "PlotUnavailableError", "build_figure", "plot_runs"]
+__all__ = ["FORMATS", "install_hint", "PlotUnavailableError", "build_figure", "plot_runs"]
