@@ -34,7 +34,7 @@ from toy_ggml._core import (
     quantize,
 )
 from toy_ggml._dispatch import cpu_variant, sum_step
-from toy_ggml.devices import Device, default_threads, devices, physical_cores, resolve_device
+from toy_ggml.devices import Device, default_threads, devices, physical_cores, resolve_device, runtime_threads
 from toy_ggml.dtypes import GGMLType, TypeTraits, type_info
 from toy_ggml.errors import ClosedError, GGMLError, UnsupportedBackwardError
 
@@ -70,6 +70,7 @@ __all__ = [
     "quantizable_types",
     "quantize",
     "resolve_device",
+    "runtime_threads",
     "sum_step",
     "type_info",
 ]

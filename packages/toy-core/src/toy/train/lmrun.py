@@ -23,8 +23,10 @@ distribution's task (toy-vit) to that task. Both write the run bundle (schema
 
 Stopping: ``hooks.should_stop()`` is polled before every step (so a stop
 asked for while the corpus is being tokenized ends the run at step 0); when
-it says yes the run saves a checkpoint, writes ``run_end`` with reason
-"interrupted" and returns. A non-finite loss stops the run with
+it says yes the run saves a checkpoint (none at step 0: nothing was
+trained; ``toy.train.steploop``), writes ``run_end`` with reason
+"interrupted" and returns. The step-0 evaluation of a fine-tune polls it
+between batches too. A non-finite loss stops the run with
 ``TrainingDivergedError`` (after ``run_end`` "errored"); the last checkpoint
 stays the previous good one.
 
@@ -100,8 +102,12 @@ from toy.train.steploop import (
 )
 
 
-def _threads(n: int | None) -> int:
-    return n or toy_ggml.default_threads()
+def _runtime(cfg: TrainConfig) -> toy_ggml.Runtime:
+    """The run's Runtime: ``cfg.threads`` as given, else the physical cores,
+    as many of them per step as the machine's load leaves room for (no bit of
+    a step depends on the thread count: toy patch 0022)."""
+    n, adaptive = toy_ggml.runtime_threads(cfg.threads or None)
+    return toy_ggml.Runtime(cfg.device or os.environ.get("TOY_DEVICE") or "cpu", threads=n, adaptive=adaptive)
 
 
 def _tokenizer(cfg: TrainConfig, hooks: Hooks) -> tuple[dict[str, Any], str]:
@@ -150,9 +156,7 @@ class _Run(StepRun):
     ):
         self.cfg, self.hooks = cfg, hooks
         self.lock = lock  # a resume takes it before reading the checkpoint
-        self.runtime = toy_ggml.Runtime(
-            cfg.device or os.environ.get("TOY_DEVICE") or "cpu", threads=_threads(cfg.threads)
-        )
+        self.runtime = _runtime(cfg)
         self.setup = None
         st = ckpt.state if ckpt else {}
         try:
@@ -276,10 +280,11 @@ class _Run(StepRun):
         if not self.val:
             return None
         tot, n = 0.0, 0
-        for b in self.val:
+        for i, b in enumerate(self.val):
             s, k = self.engine.eval_nll(b)
             tot += s
             n += k
+            self.eval_progress(i + 1, len(self.val))  # the step-0 evaluation's progress and stop
         loss = tot / max(1, n)
         self.last_val = loss
         step = self.engine.step
