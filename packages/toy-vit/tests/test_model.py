@@ -33,7 +33,9 @@ def test_preset_parameter_counts():
     assert n_params(ViTConfig.preset("vit-small32")) == _count(32, 4, 3, 192, 6, 384, 10) == 1_806_538
     assert n_params(ViTConfig.preset("vit-micro")) == _count(16, 4, 3, 32, 2, 64, 10) == 19_626
     assert (tiny.n_patches, tiny.n_tokens, tiny.patch_dim, tiny.head_dim) == (196, 197, 768, 64)
-    assert set(PRESETS) == {"vit-tiny", "vit-small32", "vit-micro"}
+    # digits: the guide's recipe for the demo data (grey, 8-pixel patches), 542,090 parameters there
+    assert n_params(ViTConfig.preset("digits")) == _count(32, 8, 1, 128, 4, 256, 10) == 542_090
+    assert set(PRESETS) == {"vit-tiny", "vit-small32", "vit-micro", "digits"}
 
 
 def test_config_defaults_overrides_and_errors():

@@ -27,6 +27,6 @@ def test_the_vit_is_a_registered_architecture_not_a_language_model():
 def test_preset_help_names_every_preset_and_the_default():
     train = typer.main.get_group(app).commands["train"]
     (opt,) = [p for p in train.params if "--preset" in getattr(p, "opts", ())]
-    named = re.findall(r"vit-[\w-]+", opt.help)
+    named = re.findall(r"vit-[\w-]+|\bdigits\b", opt.help)
     assert sorted(named) == sorted(PRESETS), opt.help
     assert f"{ViTTrainConfig().preset} (default)" in opt.help

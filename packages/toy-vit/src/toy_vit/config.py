@@ -27,12 +27,17 @@ Decisions:
   vit-tiny   224     16    192   12     3     768   5,717,416 (1000 cls)
   vit-small32 32     4     192   6      3     384   1,806,538 (10 cls)
   vit-micro  16      4     32    2      2     64    19,626 (10 cls)
+  digits     32 grey 8     128   4      4     256   542,090 (10 cls)
   ========== ======= ===== ===== ====== ===== ===== ====================
 
   ``vit-tiny`` is DeiT-Tiny / ``WinKawaks/vit-tiny-patch16-224``'s shape;
   ``vit-small32`` is sized for 32-pixel images (CIFAR-10, 64 patches of
   4 x 4, d_ff = 2 x width to keep a CPU epoch short); ``vit-micro`` is for
-  tests (16 patches of 4 x 4).
+  tests (16 patches of 4 x 4); ``digits`` is the bundled demo data's
+  (``toy vit demo-data``: 8x8 digits upscaled 4x to 32x32 grey, so an
+  8-pixel patch holds 2 x 2 original pixels and one channel is enough;
+  ``vit-small32``'s 4-pixel RGB patches of one original pixel each stay
+  near chance for hundreds of steps there).
 
 Errors: ``ViTConfigError`` (a ``toy.errors.BadInputError``) naming the value.
 """
@@ -184,6 +189,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                         n_classes=10),
     "vit-micro": dict(image_size=16, patch_size=4, n_channels=3, d_model=32, n_layer=2, n_head=2, d_ff=64,
                       n_classes=10),
+    "digits": dict(image_size=32, patch_size=8, n_channels=1, d_model=128, n_layer=4, n_head=4, d_ff=256,
+                   n_classes=10),
 }  # fmt: skip
 
 

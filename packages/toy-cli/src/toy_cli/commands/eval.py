@@ -5,8 +5,11 @@ prints its result on stdout (a table and a summary line, or ``--json``),
 shows progress on stderr (a bar on a terminal, a line every few windows
 otherwise) and records an ``eval`` run bundle under ``--runs-dir``
 (default ``$TOY_RUNS_DIR`` or ``./runs``), whose id goes to stderr and into
-the JSON. Ctrl-C stops at the next window: the run ends "interrupted" and
-the command exits 130. The runs folder is checked first (it must be a
+the JSON. Before scoring, ``perplexity``, ``compare`` and ``lmc`` print a
+line on stderr saying what they read and how many windows they score. Ctrl-C
+stops at the next window: the run ends "interrupted", a line says after how
+many windows and that no figure was recorded (the bundle's ``run_end`` says
+"interrupted"), and the command exits 130. The runs folder is checked first (it must be a
 folder toy can write into: ``toy.runs.folder.check_output_dir``), so a
 ``--runs-dir`` that is a file or read-only fails at once with exit 2, before
 a model is loaded.
@@ -17,6 +20,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -50,8 +55,15 @@ class _WindowProgress:
     def __init__(self, label: str):
         self.label, self.bar, self.next_pct = label, Progress(), 0.0
         self.tty = sys.stderr.isatty()
+        self.done, self.total = 0, 0
+        self.run: Path | None = None  # the eval bundle, once it exists
+        self.pending: str | None = None  # a start line printed with the first progress
 
     def __call__(self, done: int, total: int, ppl: float) -> None:
+        self.done, self.total = done, total
+        if self.pending is not None:
+            self.start(self.pending)
+            self.pending = None
         if self.tty:
             self.bar.update(f"{self.label} (PPL {ppl:.4f})", done, total)
             return
@@ -61,6 +73,40 @@ class _WindowProgress:
 
     def close(self) -> None:
         self.bar.close()
+
+    def start(self, what: str, defer: bool = False) -> None:
+        """The line before scoring: what is read, how many windows (``defer``:
+        with the first progress, when the checks that may fail come later)."""
+        if defer:
+            self.pending = what
+        else:
+            typer.echo(f"{self.label}: {what}", err=True)
+
+    def interrupted(self) -> typer.Exit:
+        """The line after Ctrl-C (the bundle, if any, ends "interrupted"); exit 130."""
+        self.close()
+        done = f" after {self.done} of {self.total} windows" if self.total else " before the first window"
+        where = f"; {self.run} records the interruption" if self.run else ""
+        typer.echo(f"{self.label}: interrupted{done}: no result was recorded{where}", err=True)
+        return typer.Exit(130)
+
+
+@contextmanager
+def _on_interrupt(bar: _WindowProgress) -> Iterator[None]:
+    """Ctrl-C inside the block: the progress's interruption line and exit 130."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise bar.interrupted() from None
+
+
+def _windows_line(n_tokens: int, whole: bool, file: Path, context: int, stride: int, max_chunks: int | None) -> str:
+    """The start line; a text too short for one window is the scoring's own error, raised here."""
+    from toy.eval.windows import check_layout
+
+    n = check_layout(n_tokens, context, stride, max_chunks)
+    read = f"{n_tokens} tokens {'of' if whole else 'from the start of'} {file}"
+    return f"scoring {n} windows of {context} tokens ({read})"
 
 
 def _check_runs_dir(runs_dir: Path | None) -> None:
@@ -150,25 +196,12 @@ def perplexity_cmd(
     runs_dir: RunsDir = None,
 ) -> None:
     """Perplexity of a text the way llama.cpp's llama-perplexity computes it."""
-    import toy.eval as E
-
     _check(context, batch)
     bar = _WindowProgress("perplexity")
     t0 = time.monotonic()
-    with cli_errors():
-        _check_runs_dir(runs_dir)
-        E.check_eval_path(file)
-        with _load(model, context, batch, device, threads) as m:
-            ids, whole = E.read_eval_ids(m.tokenizer, file, E.tokens_needed(context, stride, max_chunks))
-            cfg = {"model": str(m.path), "file": str(file), "context": context, "stride": stride,
-                   "max_chunks": max_chunks, "batch": batch}  # fmt: skip
-            with E.eval_run("perplexity", cfg, runs_dir, model=E.record.model_info(m)) as w:
-                try:
-                    res = E.perplexity(m, ids, context=context, stride=stride, max_chunks=max_chunks, progress=bar)
-                finally:
-                    bar.close()
-                w.event("eval", name="perplexity", loss=res.nll, ppl=res.ppl, tokens=res.n_scored,
-                        **{k: v for k, v in res.to_dict().items() if k not in ("nll", "ppl")})  # fmt: skip
+    with _on_interrupt(bar), cli_errors():
+        w, res, ids, whole = _perplexity(model, file, context, batch, stride, max_chunks, device, threads,
+                                         runs_dir, bar)  # fmt: skip
     secs = time.monotonic() - t0
     if as_json:
         return _finish(w, True, {**res.to_dict(), "seconds": round(secs, 3)})
@@ -178,6 +211,28 @@ def perplexity_cmd(
         f"{'in the text' if whole else 'read from the start of the text'})"
     )
     _finish(w, False, {})
+
+
+def _perplexity(model, file, context, batch, stride, max_chunks, device, threads, runs_dir, bar):
+    """perplexity_cmd's work: (the run writer, the result, the ids, whether they are the whole text)."""
+    import toy.eval as E
+
+    _check_runs_dir(runs_dir)
+    E.check_eval_path(file)
+    with _load(model, context, batch, device, threads) as m:
+        ids, whole = E.read_eval_ids(m.tokenizer, file, E.tokens_needed(context, stride, max_chunks))
+        cfg = {"model": str(m.path), "file": str(file), "context": context, "stride": stride,
+               "max_chunks": max_chunks, "batch": batch}  # fmt: skip
+        bar.start(_windows_line(len(ids), whole, file, context, stride, max_chunks))
+        with E.eval_run("perplexity", cfg, runs_dir, model=E.record.model_info(m)) as w:
+            bar.run = w.dir
+            try:
+                res = E.perplexity(m, ids, context=context, stride=stride, max_chunks=max_chunks, progress=bar)
+            finally:
+                bar.close()
+            w.event("eval", name="perplexity", loss=res.nll, ppl=res.ppl, tokens=res.n_scored,
+                    **{k: v for k, v in res.to_dict().items() if k not in ("nll", "ppl")})  # fmt: skip
+    return w, res, ids, whole
 
 
 # -- compare ---------------------------------------------------------------------
@@ -201,16 +256,18 @@ def compare_cmd(
 
     _check(context, batch)
     bar = _WindowProgress("compare")
-    with cli_errors():
+    with _on_interrupt(bar), cli_errors():
         _check_runs_dir(runs_dir)
         E.check_eval_path(file)
         with _load(model_a, context, batch, device, threads) as a, _load(model_b, context, batch, device, threads) as b:
-            ids, _ = E.read_eval_ids(a.tokenizer, file, E.tokens_needed(context, stride, max_chunks))
+            ids, whole = E.read_eval_ids(a.tokenizer, file, E.tokens_needed(context, stride, max_chunks))
             cfg = {"model": str(a.path), "model_b": str(b.path), "file": str(file), "context": context,
                    "stride": stride, "max_chunks": max_chunks}  # fmt: skip
+            bar.start(_windows_line(len(ids), whole, file, context, stride, max_chunks) + ", through both models")
             with E.eval_run(
                 "compare", cfg, runs_dir, model=E.record.model_info(a), model_b=E.record.model_info(b)
             ) as w:
+                bar.run = w.dir
                 try:
                     res = E.compare(a, b, ids, context=context, stride=stride, max_chunks=max_chunks, progress=bar)
                 finally:
@@ -272,14 +329,18 @@ def lmc_cmd(
 
     _check(context, 1)
     bar = _WindowProgress("lmc")
-    with cli_errors():
+    with _on_interrupt(bar), cli_errors():
         points = E.parse_alphas(alphas)
         _check_runs_dir(runs_dir)
         E.check_eval_path(file)
         text = _lmc_ids(ckpt_a, file, E.tokens_needed(context, stride, max_chunks))
         cfg = {"model": str(ckpt_a), "model_b": str(ckpt_b), "file": str(file), "alphas": points,
                "context": context, "stride": stride, "max_chunks": max_chunks}  # fmt: skip
+        n_tok = len(text) if isinstance(text, list) else None
+        what = f"{len(points)} interpolation points, each over the windows of {context} tokens of {file}"
+        bar.start(f"scoring {what}" + (f" ({n_tok} tokens)" if n_tok is not None else ""), defer=True)
         with E.eval_run("lmc", cfg, runs_dir) as w:
+            bar.run = w.dir
             try:
                 res = E.lmc(ckpt_a, ckpt_b, text, points, context=context, stride=stride, max_chunks=max_chunks,
                             device=device, threads=threads, progress=bar)  # fmt: skip

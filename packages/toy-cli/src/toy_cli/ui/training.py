@@ -9,14 +9,26 @@ Invariants:
 
 - Progress (step, loss, lr, the step unit's rate: tok/s, or img/s for an
   image classifier's run, ETA) goes to stderr: a rich bar on a terminal, one
-  line every few seconds otherwise; nothing with ``quiet``.
+  line every few seconds otherwise; nothing with ``quiet``. The ETA counts
+  the evaluations still to come (``evals_left`` times the last one's
+  ``eval_s``). Set-up phases (tokenizing, decoding images) and the step-0
+  evaluation get a bar of their own on a terminal; otherwise the step-0
+  evaluation prints a line when it starts, every few seconds and when it
+  ends, and the other phases a line every few seconds once they have run
+  for 5 s.
 - On stdout at the end: the run folder's path, or with ``as_json`` a JSON
   summary (a classifier run adds its final ``val_accuracy`` and
   ``val_top5``).
 - The first Ctrl-C (SIGINT) or SIGTERM asks the run to stop after the
   current step (it saves a checkpoint and ends "interrupted"); the command
-  then exits 130 after SIGINT, 0 after SIGTERM. A second Ctrl-C raises
-  ``KeyboardInterrupt`` at once.
+  then exits 130 after SIGINT, 0 after SIGTERM. A stop before the first
+  step saves nothing (nothing was trained) and says so. A second signal
+  during the stop is ignored with a line (it must not lose the checkpoint
+  being written: ``timeout -s INT`` delivers its signal twice, to the
+  process and to its group); a third aborts at once (``KeyboardInterrupt``):
+  an ``error:`` line says at which step, which checkpoint is left (a
+  checkpoint being written is removed, so ``latest`` stays complete) and
+  how to go on, and the command exits 130.
 """
 
 from __future__ import annotations
@@ -44,15 +56,23 @@ _UNITS = {"tokens": "tok", "images": "img"}  # short names of the step units in 
 
 @contextmanager
 def stop_signals() -> Iterator[dict]:
-    """Yield a dict whose "signal" is set by the first SIGINT/SIGTERM; a
-    second SIGINT raises KeyboardInterrupt."""
-    state: dict = {"signal": None}
+    """Yield a dict whose "signal" is set by the first SIGINT/SIGTERM (and
+    "count" counts them); the second is ignored with a line, the third
+    raises KeyboardInterrupt (the module docstring)."""
+    state: dict = {"signal": None, "count": 0}
 
     def handler(signum, _frame):
-        if state["signal"] is not None and signum == signal.SIGINT:
+        state["count"] += 1
+        if state["count"] == 1:
+            state["signal"] = signum
+            print("\nstopping after this step (saving a checkpoint)...", file=sys.stderr)
+        elif state["count"] == 2:
+            print(
+                "\nstopping: finishing the step and writing its checkpoint; press Ctrl-C again to abort without it",
+                file=sys.stderr,
+            )
+        else:
             raise KeyboardInterrupt
-        state["signal"] = signum
-        print("\nstopping after this step (saving a checkpoint)...", file=sys.stderr)
 
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -73,30 +93,48 @@ class TrainingProgress:
         self.task: TaskID | None = None
         self.phases: dict[str, TaskID] = {}
         self.last_line = 0.0
-        self.first: tuple[float, int] | None = None  # (time, step) of the first step seen
+        self.step_s: list[float] = []  # this process's step times (a resumed run starts later)
+        self.phase_times: dict[str, tuple[float, float | None]] = {}  # label -> (start, last line printed)
 
     def _ensure(self):
         if self.bar is None and self.tty and not self.quiet:
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
 
             self.bar = start_bar(
                 TextColumn("[bold]{task.description}"),
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[info]}"),
-                TimeRemainingColumn(),
+                TextColumn("{task.fields[eta]}"),
                 transient=False,
             )
         return self.bar
 
     def phase(self, label: str, done: int, total: int) -> None:
-        """A preparation phase (tokenizing, caching, ...): a bar of its own on a terminal."""
-        bar = self._ensure()
-        if bar is None:
+        """A preparation phase (tokenizing, caching, ...) or the step-0
+        evaluation: a bar of its own on a terminal, else lines (the module docstring)."""
+        if self.quiet:
             return
-        if label not in self.phases:
-            self.phases[label] = bar.add_task(label, total=total or None, info="")
-        bar.update(self.phases[label], completed=done, total=total or None)
+        from toy.train.steploop import EVAL_AT_START  # lazy: toy --help does not load toy.train
+
+        now = time.monotonic()
+        start, last = self.phase_times.setdefault(label, (now, None))
+        left = (now - start) / done * (total - done) if done and total else None
+        bar = self._ensure()
+        if bar is not None:
+            if label not in self.phases:
+                self.phases[label] = bar.add_task(label, total=total or None, info="", eta="")
+            bar.update(self.phases[label], completed=done, total=total or None, eta=_eta(left))
+            return
+        is_eval = label == EVAL_AT_START
+        if last is None:
+            due = is_eval or now - start >= 5
+        else:
+            due = now - last >= 5 or done == total
+        if due:
+            self.phase_times[label] = (start, now)
+            unit = " batches" if is_eval else ""
+            print(f"{label}: {done}/{total}{unit}{_eta(left, ' eta ')}", file=sys.stderr)
 
     def note(self, text: str) -> None:
         if self.quiet:
@@ -115,28 +153,36 @@ class TrainingProgress:
         unit = next((k[: -len("_per_s")] for k in ev if k.endswith("_per_s")), None)
         rate = f" {ev[f'{unit}_per_s']:,.0f} {_UNITS.get(unit, unit)}/s" if unit else ""
         info = f"loss {ev['loss']:.4f} lr {ev['lr']:.2e}{rate}"
+        if "wall_us" in ev:
+            self.step_s.append(ev["wall_us"] / 1e6)
+        left = None
+        if len(self.step_s) > 1:  # the first step also builds the graphs
+            pace = sum(self.step_s[1:]) / (len(self.step_s) - 1)
+            left = (ev["total"] - ev["step"]) * pace + (ev.get("eval_s") or 0.0) * (ev.get("evals_left") or 0)
         bar = self._ensure()
         if bar is not None:
             if self.task is None:
-                self.task = bar.add_task("train", total=ev["total"], info=info)
-            bar.update(self.task, completed=ev["step"], info=info)
+                self.task = bar.add_task("train", total=ev["total"], info=info, eta="")
+            bar.update(self.task, completed=ev["step"], info=info, eta=_eta(left))
             return
         now = time.monotonic()
-        if self.first is None:
-            self.first = (now, ev["step"])
         if now - self.last_line >= 5 or ev["step"] == ev["total"]:
             self.last_line = now
-            t0, s0 = self.first
-            eta = ""
-            if ev["step"] > s0:  # from this process's own pace (a resumed run starts later)
-                left = (ev["total"] - ev["step"]) * (now - t0) / (ev["step"] - s0)
-                eta = f" eta {int(left // 60)}:{int(left % 60):02d}"
-            print(f"step {ev['step']}/{ev['total']} {info}{eta}", file=sys.stderr)
+            print(f"step {ev['step']}/{ev['total']} {info}{_eta(left, ' eta ')}", file=sys.stderr)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
             self.bar = None
+
+
+def _eta(seconds: float | None, prefix: str = "") -> str:
+    """``prefix`` and m:ss (h:mm:ss from an hour), or "" when unknown."""
+    if seconds is None:
+        return ""
+    s = int(seconds + 0.5)
+    text = f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+    return prefix + text
 
 
 def _val_metrics(result) -> dict:
@@ -164,7 +210,7 @@ def _val_metrics(result) -> dict:
     return {}
 
 
-def _finish(result, as_json: bool, sig, quiet: bool = False) -> None:
+def _finish(result, as_json: bool, sig, quiet: bool = False, command: str = "toy train") -> None:
     metrics = _val_metrics(result)
     if as_json:
         typer.echo(
@@ -183,7 +229,13 @@ def _finish(result, as_json: bool, sig, quiet: bool = False) -> None:
         )
     else:
         typer.echo(str(result.run_dir))
-        if not quiet:
+        if not quiet and result.reason == "interrupted" and result.checkpoint is None:
+            print(
+                "interrupted before the first step: nothing was trained, nothing needs resuming "
+                "(run the command again to start over)",
+                file=sys.stderr,
+            )
+        elif not quiet:
             loss = f"{result.final_loss:.4f}" if result.final_loss is not None else "-"
             acc = metrics.get("val_accuracy")
             print(
@@ -193,14 +245,34 @@ def _finish(result, as_json: bool, sig, quiet: bool = False) -> None:
                 + (f"; checkpoint {result.checkpoint}" if result.checkpoint else ""),
                 file=sys.stderr,
             )
+            if result.reason == "interrupted":
+                print(f"resume: {command} --resume {result.run_dir}", file=sys.stderr)
     if result.reason == "interrupted" and sig == signal.SIGINT:
         raise typer.Exit(130)
 
 
-def run_training(fn: Callable, quiet: bool, as_json: bool) -> None:
+def _report_abort(e: KeyboardInterrupt, command: str) -> None:
+    """The ``error:``/``hint:`` lines of a run aborted by a third signal."""
+    from toy.train.steploop import TrainingAborted  # lazy: toy --help does not load toy.train
+
+    if not isinstance(e, TrainingAborted):  # during set-up: no run folder yet
+        print("error: aborted before the first step: nothing was trained, nothing needs resuming", file=sys.stderr)
+        return
+    if e.checkpoint is not None:
+        print(f"error: aborted at step {e.step} without saving it; the last checkpoint is {e.checkpoint}",
+              file=sys.stderr)  # fmt: skip
+        print(f"hint: go on from it: {command} --resume {e.run_dir}", file=sys.stderr)
+    else:
+        print(f"error: aborted at step {e.step}, before the run's first checkpoint: nothing to resume",
+              file=sys.stderr)  # fmt: skip
+        print(f"hint: run the command again to start over ({e.run_dir} can be deleted)", file=sys.stderr)
+
+
+def run_training(fn: Callable, quiet: bool, as_json: bool, command: str = "toy train") -> None:
     """Run ``fn(hooks)`` (a training run returning its ``RunResult``) with the
     progress display, the stop signals and toy's errors as CLI errors, then
-    print the summary as ``toy train`` does (see the module docstring)."""
+    print the summary as ``toy train`` does (see the module docstring);
+    ``command`` is what the hints name to resume (``toy vit train``)."""
     from toy.train.lmrun import Hooks
 
     bar = TrainingProgress(quiet)
@@ -210,6 +282,10 @@ def run_training(fn: Callable, quiet: bool, as_json: bool) -> None:
         )
         try:
             result = fn(hooks)
+        except KeyboardInterrupt as e:  # a third signal (or one before the handlers were installed)
+            bar.close()
+            _report_abort(e, command)
+            raise typer.Exit(130) from None
         finally:
             bar.close()
-    _finish(result, as_json, st["signal"], quiet)
+    _finish(result, as_json, st["signal"], quiet, command)

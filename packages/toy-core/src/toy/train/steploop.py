@@ -26,6 +26,25 @@ stop polling, divergence, the final eval and checkpoint, ``run_end`` with
 completed | interrupted | errored, an OSError as ``TrainingIOError`` naming
 the file and the last good checkpoint).
 
+Stopping and aborting (decisions):
+
+- A stop asked for before the first step (during set-up or the step-0
+  evaluation) ends the run "interrupted" at step 0 without a checkpoint:
+  nothing was trained, so there is nothing to resume (a step-0 checkpoint
+  would be the starting point again). ``open_for_resume`` then says so.
+- The step-0 evaluation reports its batches through ``hooks.phase`` (label
+  ``EVAL_AT_START``) and polls ``should_stop`` between them: a task's
+  ``evaluate()`` calls ``eval_progress(done, total)`` after each batch.
+- A ``KeyboardInterrupt`` (the CLI raises it on a third signal, or a
+  library caller's Ctrl-C) ends the run at once: ``run_end`` "interrupted"
+  and ``TrainingAborted`` (a ``KeyboardInterrupt``) carrying the run folder,
+  the step reached and the last checkpoint, if any. A checkpoint being
+  written is removed (``checkpoint.save``: temporary files renamed into
+  place), so ``latest`` names the previous complete one.
+- Progress events carry ``eval_s`` (the last evaluation's seconds) and
+  ``evals_left`` (evaluations still to come, the final one included), so a
+  display can count evaluations in its ETA.
+
 ``open_for_resume(run_dir)`` takes a run's lock, removes orphaned
 temporary files, finds the newest intact checkpoint (setting damaged ones
 aside) and returns them with the notes to record; a task's ``resume``
@@ -43,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 from toy.errors import ToyError
 from toy.runs.folder import RunLock
+from toy.runs.reader import read_events
 from toy.train import checkpoint
 from toy.train.optim import lr_at
 
@@ -59,6 +79,23 @@ class TrainingDivergedError(ToyError):
 class TrainingIOError(ToyError):
     """A file of the run could not be written (a full disk, a removed
     folder): the message names it and the last good checkpoint."""
+
+
+class TrainingAborted(KeyboardInterrupt):
+    """A run ended at once by a ``KeyboardInterrupt``: ``run_dir``, ``step``
+    (the steps done) and ``checkpoint`` (the last complete one, or None)."""
+
+    def __init__(self, run_dir: Path, step: int, checkpoint: Path | None):
+        super().__init__(f"aborted at step {step}")
+        self.run_dir, self.step, self.checkpoint = run_dir, step, checkpoint
+
+
+class _StopDuringEval(Exception):
+    """should_stop() said yes during the step-0 evaluation."""
+
+
+#: the ``hooks.phase`` label of the evaluation before the first step
+EVAL_AT_START = "evaluating the validation set before training"
 
 
 @dataclass
@@ -106,6 +143,29 @@ class StepRun:
         self.last_val: float | None = None
         self.last_ckpt: Path | None = ckpt.model_path if ckpt else None
         self.saved_step = ckpt.step if ckpt else -1
+        self._eval_label: str | None = None  # set while the step-0 evaluation runs
+        self._eval_s: float | None = None  # the last evaluation's seconds
+
+    def eval_progress(self, done: int, total: int) -> None:
+        """Called by ``evaluate()`` after each batch: the step-0 evaluation's
+        progress (``hooks.phase``) and a stop asked for during it."""
+        if self._eval_label is None:
+            return
+        if self.hooks.phase:
+            self.hooks.phase(self._eval_label, done, total)
+        if self.hooks.should_stop and self.hooks.should_stop():
+            raise _StopDuringEval
+
+    def _timed_eval(self) -> None:
+        t0 = time.perf_counter()
+        self.evaluate()
+        self._eval_s = time.perf_counter() - t0
+
+    def _evals_left(self, step: int) -> int:
+        """Evaluations after ``step``: every ``eval_every`` before the last step, then the final one."""
+        every, total = self.cfg.eval_every, self.cfg.steps
+        between = (total - 1) // every - step // every if every and step < total else 0
+        return max(0, between) + 1
 
     # -------------------------------------------------------------- the task's part
 
@@ -183,8 +243,14 @@ class StepRun:
         sample_every = cfg.sample_every or cfg.save_every
         try:
             if self.eval_at_start and eng.step == 0 and cfg.eval_every:
-                self.evaluate()
-            while eng.step < cfg.steps:
+                self._eval_label = EVAL_AT_START
+                try:
+                    self._timed_eval()
+                except _StopDuringEval:
+                    reason = "interrupted"
+                finally:
+                    self._eval_label = None
+            while eng.step < cfg.steps and reason == "completed":
                 if hooks.should_stop and hooks.should_stop():
                     reason = "interrupted"  # also before the first step (e.g. during tokenizing)
                     break
@@ -212,10 +278,11 @@ class StepRun:
                 }
                 self.writer.event("step", **ev)
                 if hooks.progress:
-                    hooks.progress({**ev, "total": cfg.steps})
+                    extra = {"eval_s": self._eval_s, "evals_left": self._evals_left(eng.step)}
+                    hooks.progress({**ev, "total": cfg.steps, **extra})
                 last = eng.step == cfg.steps
                 if (cfg.eval_every and eng.step % cfg.eval_every == 0) and not last:
-                    self.evaluate()
+                    self._timed_eval()
                 if sample_every and eng.step % sample_every == 0 and not last:
                     self.sample()
                 if cfg.save_every and eng.step % cfg.save_every == 0 and not last:
@@ -223,7 +290,8 @@ class StepRun:
             if reason == "completed":
                 self.evaluate()
                 self.sample()
-            self.save()
+            if eng.step > 0:  # a stop before the first step trained nothing: no checkpoint (the docstring)
+                self.save()
         except BaseException as e:
             io = self._io_error(e)
             try:
@@ -237,6 +305,8 @@ class StepRun:
                 pass
             if io is not None:
                 raise io from e
+            if isinstance(e, KeyboardInterrupt) and not isinstance(e, TrainingAborted):
+                raise TrainingAborted(self.writer.dir, eng.step, self.last_ckpt) from e
             raise
         finally:
             self.close()
@@ -260,6 +330,10 @@ def open_for_resume(run_dir: str | Path):
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise checkpoint.CheckpointError(f"{run_dir}: no such run folder")
+    if (run_dir / "events.jsonl").is_file() and not any((run_dir / "checkpoints").glob("step_*")):
+        nothing = _nothing_to_resume(run_dir)  # (damaged checkpoints set aside still match step_*)
+        if nothing is not None:
+            raise nothing
     if not (run_dir / "checkpoints").is_dir():  # checked before the lock file is made in it
         raise checkpoint.CheckpointError(f"{run_dir}: not a training run (it has no checkpoints folder)")
     lock = RunLock(run_dir)
@@ -284,4 +358,39 @@ def open_for_resume(run_dir: str | Path):
     return lock, ck, notes
 
 
-__all__ = ["Hooks", "RunResult", "StepRun", "TrainingDivergedError", "TrainingIOError", "open_for_resume"]
+def _nothing_to_resume(run_dir: Path) -> checkpoint.CheckpointError | None:
+    """The error for a training run's folder with events but no checkpoint:
+    what its events say happened, and how to start again (None: the events
+    are not a training run's)."""
+    try:
+        events = read_events(run_dir / "events.jsonl")[0]
+    except (OSError, ValueError, ToyError):
+        return None
+    if not events or events[0].get("kind") != "run_start" or events[0].get("run_kind") != "train":
+        return None
+    end = next((e for e in reversed(events) if e.get("kind") == "run_end"), None)
+    steps = [e.get("step") for e in events if e.get("kind") == "step"]
+    reached = max((s for s in steps if isinstance(s, int)), default=0)
+    if end is None:
+        what = "it has no checkpoint yet (still running, or killed before its first checkpoint)"
+    elif reached == 0:
+        what = f"it stopped before its first step ({end.get('reason', 'interrupted')}): nothing was trained"
+    else:
+        what = f"it stopped at step {reached} before its first checkpoint ({end.get('reason', 'interrupted')})"
+    return checkpoint.CheckpointError(
+        f"{run_dir}: nothing to resume: {what}",
+        hint=f"start it again with the command that started it (its settings: {run_dir / 'config.json'}); "
+        f"this folder can then be deleted",
+    )
+
+
+__all__ = [
+    "EVAL_AT_START",
+    "Hooks",
+    "RunResult",
+    "StepRun",
+    "TrainingAborted",
+    "TrainingDivergedError",
+    "TrainingIOError",
+    "open_for_resume",
+]
