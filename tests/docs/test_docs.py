@@ -38,13 +38,14 @@ Annotations (an HTML comment on the line(s) just before a fence; invisible on th
                  folder (the TOML config of the training guide)
     ``<!-- docs-test: background: URL -->``   run a bash block's commands in the background (a
                  server) and wait until URL answers 200; stopped (SIGTERM) when the page ends
-    ``<!-- docs-test: setup: COMMAND -->``   a visible preparation step, run before the block
-                 (for example the fixture file a block names)
+    ``<!-- docs-test: setup: COMMAND -->``   a preparation step, run before the block: a file the
+                 block names, made by a command a user can run (``toy …`` or plain shell, shown or
+                 named in the page's text); never a test helper (``test_setup_steps_are_user_commands``)
     Page-wide, anywhere in the page: ``<!-- docs-test: replace: OLD => NEW -->`` replaces text in
     every block and expected output of the page, always; ``{port}`` in NEW is a free TCP port
     picked for the page (the serving guide's port 8000 becomes a free one), ``{toy_home}`` the
-    test's ``TOY_HOME``. Setup steps may call ``python "$DOCS_FIXTURES" KIND OUT``
-    (tests/docs/fixtures.py: the seeded LoRA adapter of toy's llama.cpp parity test, a tiny model).
+    test's ``TOY_HOME``. Example files a page uses (an adapter, a second model) are made by the
+    commands the page documents (``toy train demo-adapter``, a one-step ``toy train from-scratch``).
 
 Fast mode
     ``TOY_DOCS_FAST`` (default ``1``) applies the ``fast:`` replacements: fewer training steps,
@@ -620,7 +621,6 @@ def page_env(home: Path) -> dict[str, str]:
         NO_COLOR="1",
         PYTHONUNBUFFERED="1",
         TERM="dumb",
-        DOCS_FIXTURES=str(Path(__file__).with_name("fixtures.py")),
     )
     return env
 

@@ -51,3 +51,13 @@ def test_annotations_and_console(tmp_path):
     assert replaces == [("8000", "{port}")]
     assert blocks[0].notes == {"skip": "needs the Hub"}
     assert dr.split_console(blocks[1].text) == [("echo hi &&\\\n  echo there", "hi\nthere")]
+
+
+def test_setup_steps_are_user_commands():
+    """A page's example files are made by commands a user can run, not by the test suite's helpers."""
+    helpers = ("toy_testsupport", "tests/", "DOCS_FIXTURES", "conftest")
+    bad = []
+    for rel in dr.PAGES:
+        blocks, _ = dr.parse_page(dr.ROOT / rel)
+        bad += [f"{b.where}: {b.notes['setup']}" for b in blocks if any(h in b.notes.get("setup", "") for h in helpers)]
+    assert not bad, "setup steps that use test helpers:\n" + "\n".join(bad)

@@ -283,3 +283,30 @@ def test_serve_lora_models_run_start_and_completion(tiny, tmp_path):
     assert start["kind"] == "run_start"
     assert start["model"]["lora"] == [{"path": str(a1), "scale": 0.5}]
     assert start["config"]["lora"] == [{"path": str(a1), "scale": 0.5}]
+
+
+def test_demo_adapter_is_the_llamacpp_parity_adapter(capsys, tmp_path, smollm2_path):
+    """`toy train demo-adapter` with its defaults writes, for SmolLM2, the very file whose
+    sha256 toy-core's llama.cpp LoRA parity fixture recorded (the guides' story-lora.gguf)."""
+    import hashlib
+
+    fixture = Path(__file__).parents[2] / "toy-core/tests/fixtures/lora_llamacpp.json"
+    want = json.loads(fixture.read_text())["adapter"]["sha256"]
+    base = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"  # the name the adapter records as its base
+    base.symlink_to(smollm2_path)
+    code, out, err = run(capsys, "train", "demo-adapter", tmp_path / "story-lora.gguf", "--model", base)
+    assert code == 0, err
+    assert out.strip() == str(tmp_path / "story-lora.gguf")
+    assert "random rank-8 adapter on q,v" in err
+    assert hashlib.sha256((tmp_path / "story-lora.gguf").read_bytes()).hexdigest() == want
+
+
+def test_demo_adapter_bad_input(capsys, tiny, tmp_path):
+    base = tiny[0]
+    code, _, err = run(capsys, "train", "demo-adapter", tmp_path / "a.gguf", "--model", base, "--targets", "q,nope")
+    assert_clean_error(code, err, 2, "nope", hint=True)
+    code, _, err = run(capsys, "train", "demo-adapter", tmp_path / "a.gguf", "--model", base, "--rank", "0")
+    assert_clean_error(code, err, 2, "rank")
+    code, _, err = run(capsys, "train", "demo-adapter", tmp_path, "--model", base)
+    assert_clean_error(code, err, 2, "is a folder", hint=True)
+    assert not (tmp_path / "a.gguf").exists()

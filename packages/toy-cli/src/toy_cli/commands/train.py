@@ -12,8 +12,10 @@ otherwise; the run folder's path is printed on stdout at the end
 Stopping: the first Ctrl-C (SIGINT) or SIGTERM finishes the current step,
 saves a checkpoint, writes ``run_end`` with reason "interrupted" and exits
 (130 after SIGINT, 0 after SIGTERM, the polite stop a process manager
-sends); ``toy train --resume RUN_DIR`` continues exactly. A second Ctrl-C
-aborts at once (the last checkpoint stays intact).
+sends); ``toy train --resume RUN_DIR`` continues exactly. A stop before the
+first step saves nothing (nothing was trained). A second signal while
+stopping is ignored with a line; a third aborts at once (the checkpoint
+being written is dropped, the last complete one stays intact).
 
 Progress, stop signals and summary are ``toy_cli.ui.run_training``'s, which
 other distributions' training commands share (``toy vit train``).
@@ -374,6 +376,31 @@ def demo_corpus(
     size = sum(p.stat().st_size for p in paths)
     typer.echo(str(folder))
     print(f"wrote {len(paths)} files ({size / 1e3:.0f} KB) to {folder}", file=sys.stderr)
+
+
+@train_app.command("demo-adapter")
+def demo_adapter(
+    out: Annotated[Path, typer.Argument(help="The adapter file to write.")] = Path("demo-lora.gguf"),
+    model: Annotated[
+        str, typer.Option("--model", "-m", help="The base model (a path or a `toy list` name).")
+    ] = "smollm2-135m",
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random matrices.")] = 20251130,
+    rank: Annotated[int, typer.Option("--rank", "-r", help="LoRA rank.")] = 8,
+    targets: Annotated[str, typer.Option("--targets", help="Modules to adapt, comma-separated.")] = "q,v",
+) -> None:
+    """Write an untrained, seeded random LoRA adapter for a model: an example file for --lora and toy merge."""
+    if out.is_dir():
+        raise bad_input(f"{out}: is a folder", "OUT is the adapter file to write, e.g. demo-lora.gguf")
+    names = _list(targets, "--targets") or []
+    with cli_errors():
+        from toy.adapters.demo import random_adapter
+        from toy.store import resolve_model
+
+        base = Path(resolve_model(model))
+        path = random_adapter(base, out, seed=seed, rank=rank, targets=names)
+    typer.echo(str(path))
+    print(f"wrote a random rank-{rank} adapter on {','.join(names)} for {base.name} "
+          f"(seed {seed}; untrained: it changes the text, it teaches nothing)", file=sys.stderr)  # fmt: skip
 
 
 def register(app: typer.Typer) -> None:
