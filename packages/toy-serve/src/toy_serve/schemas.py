@@ -8,8 +8,8 @@ Decisions:
 - Unknown fields are ignored (``extra="ignore"``): the official clients and
   tools send fields toy has no use for (``user``, ``metadata``, ...). Fields
   that would change the result and that toy cannot honour (``suffix``,
-  ``tools``, ``best_of`` != n) are refused with 400 instead of being
-  silently dropped.
+  ``best_of`` != n, the legacy ``functions``/``function_call``) are refused
+  with 400 instead of being silently dropped.
 - Structured output (completions and chat): ``response_format``
   (``{"type": "text"}``, ``{"type": "json_object"}``, or ``{"type":
   "json_schema", "json_schema": {"name", "schema", "strict"}}``, OpenAI's
