@@ -85,11 +85,41 @@ def signals_at(monkeypatch, obj, name: str, n: int, sig=signal.SIGINT) -> list[i
     return calls
 
 
-def test_a_stop_during_set_up_trains_nothing_and_resume_explains(capsys, monkeypatch, corpus, tmp_path):
+def test_a_stop_during_tokenizer_training_keeps_the_tokenizer(capsys, monkeypatch, corpus, tmp_path):
     import toy.train.lmrun as lmrun
 
     calls = signals_at(monkeypatch, lmrun, "train_bpe", 1)  # Ctrl-C while the tokenizer is trained
-    code, out, err = run(capsys, "train", "from-scratch", corpus, *SMALL, "--steps", "50", "--out", tmp_path / "runs")
+    code, out, err = run(capsys, "train", "from-scratch", corpus, *SMALL, "--steps", "6", "--out", tmp_path / "runs")
+    assert calls and code == 130, err
+    assert "stopping after this step" in err
+    run_dir = the_run(tmp_path / "runs")
+    assert out.strip() == str(run_dir)
+    # nothing was trained, but the tokenizer cost time to make: a step-0 checkpoint keeps it
+    assert "interrupted at step 0" in err and f"resume: toy train --resume {run_dir}" in err
+    ck = checkpoint.load(run_dir / "checkpoints")
+    assert ck.step == 0 and "tokenizer.ggml.tokens" in ck.tokenizer_metadata
+    end = events(run_dir)[-1]
+    assert end["kind"] == "run_end" and end["reason"] == "interrupted" and end["final_step"] == 0
+
+    def no_second_tokenizer(*a, **k):
+        raise AssertionError("--resume trained the tokenizer again")
+
+    monkeypatch.setattr(lmrun, "train_bpe", no_second_tokenizer)
+    code, out, err = run(capsys, "train", "--resume", run_dir)
+    assert code == 0, err
+    assert events(run_dir)[-1]["reason"] == "completed" and events(run_dir)[-1]["final_step"] == 6
+
+
+def test_a_stop_during_set_up_trains_nothing_and_resume_explains(capsys, monkeypatch, corpus, tmp_path):
+    import toy.train.lmrun as lmrun
+
+    # Ctrl-C while the corpus is tokenized, with a tokenizer taken from a file (nothing costly made yet)
+    code, _, err = run(capsys, "train", "from-scratch", corpus, *SMALL, "--steps", "1", "--out", tmp_path / "tok")
+    assert code == 0, err
+    (tok_model,) = the_run(tmp_path / "tok").glob("checkpoints/step_1.gguf")
+    calls = signals_at(monkeypatch, lmrun.Tokenizer, "from_gguf", 1)
+    args = ["train", "from-scratch", corpus, *SMALL, "--tokenizer", tok_model, "--steps", "50"]
+    code, out, err = run(capsys, *args, "--out", tmp_path / "runs")
     assert calls and code == 130, err
     assert "stopping after this step" in err
     assert "interrupted before the first step: nothing was trained, nothing needs resuming" in err

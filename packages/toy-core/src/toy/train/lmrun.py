@@ -233,6 +233,7 @@ class _Run(StepRun):
         self.init_counters(ckpt)
         self.per_step = cfg.batch_size * cfg.context * cfg.grad_accum
         self.eval_at_start = self.setup is not None
+        self.keep_step0 = ckpt is None and tok_source == "trained-bpe"  # a stop at step 0 keeps the tokenizer
 
     def _text_setup(self, cfg: TrainConfig, hooks: Hooks, ckpt):
         """Tokenizer, token cache and packed windows of a text corpus, and the

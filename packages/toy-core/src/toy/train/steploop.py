@@ -32,6 +32,9 @@ Stopping and aborting (decisions):
   evaluation) ends the run "interrupted" at step 0 without a checkpoint:
   nothing was trained, so there is nothing to resume (a step-0 checkpoint
   would be the starting point again). ``open_for_resume`` then says so.
+  The exception is a task whose set-up made something that costs time to
+  make again (``keep_step0``: a from-scratch run's trained tokenizer): it
+  writes a step-0 checkpoint, which ``--resume`` starts from.
 - The step-0 evaluation reports its batches through ``hooks.phase`` (label
   ``EVAL_AT_START``) and polls ``should_stop`` between them: a task's
   ``evaluate()`` calls ``eval_progress(done, total)`` after each batch.
@@ -127,6 +130,7 @@ class StepRun:
     unit = "tokens"
     per_step = 0
     eval_at_start = False  # fine-tunes: the base model's validation loss at step 0
+    keep_step0 = False  # set-up made something worth keeping (a trained tokenizer): a stop at step 0 still saves
     # what the loop reads, set by the task's __init__
     cfg: Any  # the task's training config (steps, grad_accum, keep_checkpoints, optim, ...)
     hooks: Hooks
@@ -290,7 +294,7 @@ class StepRun:
             if reason == "completed":
                 self.evaluate()
                 self.sample()
-            if eng.step > 0:  # a stop before the first step trained nothing: no checkpoint (the docstring)
+            if eng.step > 0 or self.keep_step0:  # a stop before the first step: no checkpoint (the docstring)
                 self.save()
         except BaseException as e:
             io = self._io_error(e)
