@@ -27,16 +27,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from toy.train import checkpoint
 from toy_testsupport.cli_helpers import run
+from toy_testsupport.signals import double_sigint
 
 SMALL = ["--d-model", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "64"]
 SMALL += ["--vocab-size", "300", "--batch-size", "2", "--context", "32", "--threads", "1"]
@@ -224,24 +223,8 @@ def test_two_sigints_at_once_as_timeout_sends_them(tmp_path, corpus):
     env = {**os.environ, "TOY_HOME": str(tmp_path / "home")}
     cmd = [sys.executable, "-m", "toy_cli", "train", "from-scratch", str(corpus), *SMALL, "--steps", "100000",
            "--save-every", "0", "--eval-every", "0"]  # fmt: skip
-    p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            dirs = list((tmp_path / "runs").glob("train-*")) if (tmp_path / "runs").exists() else []
-            if dirs and sum(e["kind"] == "step" for e in events(dirs[0])) >= 3:
-                break
-            assert p.poll() is None, p.communicate()
-            time.sleep(0.1)
-        p.send_signal(signal.SIGINT)
-        time.sleep(0.001)  # (sent back to back, the two are often handled as one)
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    assert p.returncode == 130, err
-    run_dir = Path(tmp_path / out.strip())
+    code, out, err, run_dir = double_sigint(cmd, tmp_path, env)
+    assert code == 130, err
     end = events(run_dir)[-1]
     assert end["reason"] == "interrupted" and "error" not in end, end
     assert checkpoint.load(run_dir / "checkpoints").step == end["final_step"] >= 3

@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +27,7 @@ from PIL import Image
 
 from toy.train import checkpoint
 from toy_testsupport.cli_helpers import run
+from toy_testsupport.signals import double_sigint
 from toy_vit.config import ViTConfig
 from toy_vit.gguf_io import write_gguf
 from toy_vit.train import init_params
@@ -135,25 +135,9 @@ def test_two_sigints_at_once_as_timeout_sends_them(tmp_path, data):
     SIGINTs back to back. The run must stop with a checkpoint it resumes from."""
     env = {**os.environ, "TOY_HOME": str(tmp_path / "home"), "NO_COLOR": "1"}
     toy = [sys.executable, "-m", "toy_cli", "vit", "train"]
-    p = subprocess.Popen([*toy, str(data), *MICRO, "--steps", "100000", "--save-every", "0"], cwd=tmp_path, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            dirs = list((tmp_path / "runs").glob("train-*")) if (tmp_path / "runs").exists() else []
-            if dirs and sum(e["kind"] == "step" for e in events(dirs[0])) >= 3:
-                break
-            assert p.poll() is None, p.communicate()
-            time.sleep(0.1)
-        p.send_signal(signal.SIGINT)
-        time.sleep(0.001)  # (sent back to back, the two are often handled as one)
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    assert p.returncode == 130, err
-    run_dir = tmp_path / out.strip()
+    cmd = [*toy, str(data), *MICRO, "--steps", "100000", "--save-every", "0"]
+    code, out, err, run_dir = double_sigint(cmd, tmp_path, env)
+    assert code == 130, err
     end = events(run_dir)[-1]
     assert end["reason"] == "interrupted" and "error" not in end, end
     step = end["final_step"]

@@ -90,33 +90,17 @@ def assert_grads_close(got, want):
 
 def seeded_adapter(base_path, out_path, *, seed: int, rank: int, alpha: float, targets, std: float, base_name: str):
     """A LoRA adapter for the GGUF model ``base_path`` (any architecture):
-    for every layer in order and every target in ``targets``' order (the
-    weight the registry's ``lora_targets`` names), A (rank, in) then B (out,
-    rank), entries ``std · N(0, 1)`` from one ``np.random.default_rng(seed)``
-    stream, float32; written with ``save_adapter`` (``toy.lora.base`` =
-    ``base_name``, fixed so the bytes do not depend on where the model is).
-    The llama.cpp adapter fixtures are recorded on such files."""
-    from toy import models
-    from toy.adapters import save_adapter
-    from toy.gguf import GGUFFile
+    ``toy.adapters.demo.random_adapter`` (what ``toy train demo-adapter``
+    writes) with every parameter given: for every layer in order and every
+    target in ``targets``' order, A (rank, in) then B (out, rank), entries
+    ``std · N(0, 1)`` from one ``np.random.default_rng(seed)`` stream,
+    float32; ``toy.lora.base`` = ``base_name``. The llama.cpp adapter
+    fixtures are recorded on such files."""
+    from toy.adapters.demo import random_adapter
 
-    with GGUFFile(base_path) as gf:
-        cfg = models.config_from_gguf(gf)
-        shapes = {n: tuple(i.shape) for n, i in gf.tensors.items()}
-    spec = models.of(cfg).lora_targets(cfg)
-    rng = np.random.default_rng(seed)
-    pairs = {}
-    for i in range(cfg.n_layer):
-        for t in targets:
-            name = f"blk.{i}.{spec[t].stem}.weight"
-            out, inn = shapes[name]
-            a = (rng.standard_normal((rank, inn)) * std).astype(np.float32)
-            b = (rng.standard_normal((out, rank)) * std).astype(np.float32)
-            pairs[name] = (a, b)
-    return save_adapter(
-        out_path, architecture=cfg.architecture, pairs=pairs, alpha=alpha, rank=rank, targets=list(targets),
-        base=base_name,
-    )  # fmt: skip
+    return random_adapter(
+        base_path, out_path, seed=seed, rank=rank, alpha=alpha, targets=targets, std=std, base_name=base_name
+    )
 
 
 class BoundModel:

@@ -38,10 +38,12 @@ def random_adapter(
     alpha: float = DEMO_ALPHA,
     targets: Sequence[str] = DEMO_TARGETS,
     std: float = DEMO_STD,
+    base_name: str | None = None,
 ) -> Path:
     """Write a seeded random adapter for the GGUF model ``base`` to ``out``
-    (atomically); returns the path. ``toy.lora.base`` records the base file's
-    name, so the bytes do not depend on the folder the model is in."""
+    (atomically); returns the path. ``toy.lora.base`` records ``base_name``
+    (default: the base file's name), so the bytes do not depend on the folder
+    the model is in."""
     from toy import models
     from toy.gguf import GGUFFile
 
@@ -74,5 +76,11 @@ def random_adapter(
             b = (rng.standard_normal((n_out, rank)) * std).astype(np.float32)
             pairs[name] = (a, b)
     return save_adapter(
-        out, architecture=cfg.architecture, pairs=pairs, alpha=alpha, rank=rank, targets=targets, base=base.name
+        out,
+        architecture=cfg.architecture,
+        pairs=pairs,
+        alpha=alpha,
+        rank=rank,
+        targets=targets,
+        base=base_name or base.name,
     )
