@@ -16,10 +16,11 @@ minus those cores in this machine's proportion of threads to CPUs, rounded
 
 This is only valid where the result does not depend on the thread count:
 true of inference graphs (the products split rows or columns between the
-threads, never a sum), which the tests check bit for bit; not of training
-(the loss's sum is split between the threads), so training keeps the count
-it starts with. Where ``/proc/stat`` cannot be read (not Linux) the sampler
-keeps every thread.
+threads, never a sum) and, since patch 0022 made the cross-entropy loss add
+its rows in a fixed order, of training graphs; the tests check both bit for
+bit. (Flash attention's split-key kernel sums in an order set by the thread
+count: on an adaptive runtime the engine uses its one-row kernel.) Where
+``/proc/stat`` cannot be read (not Linux) the sampler keeps every thread.
 """
 
 from __future__ import annotations
