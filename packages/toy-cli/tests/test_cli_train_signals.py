@@ -35,7 +35,7 @@ import pytest
 
 from toy.train import checkpoint
 from toy_testsupport.cli_helpers import run
-from toy_testsupport.signals import double_sigint
+from toy_testsupport.signals import double_sigint, signals_at
 
 SMALL = ["--d-model", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "64"]
 SMALL += ["--vocab-size", "300", "--batch-size", "2", "--context", "32", "--threads", "1"]
@@ -65,23 +65,6 @@ def events(run_dir: Path) -> list[dict]:
 def the_run(root: Path) -> Path:
     (run_dir,) = list(root.glob("train-*"))
     return run_dir
-
-
-def signals_at(monkeypatch, obj, name: str, n: int, sig=signal.SIGINT) -> list[int]:
-    """Replace ``obj.name`` by a wrapper that, on its first call, delivers
-    ``n`` signals to this process and then calls the original."""
-    orig = getattr(obj, name)
-    calls: list[int] = []
-
-    def wrapper(*a, **k):
-        calls.append(1)
-        if len(calls) == 1:
-            for _ in range(n):
-                signal.raise_signal(sig)
-        return orig(*a, **k)
-
-    monkeypatch.setattr(obj, name, wrapper)
-    return calls
 
 
 def test_a_stop_during_tokenizer_training_keeps_the_tokenizer(capsys, monkeypatch, corpus, tmp_path):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -27,7 +26,7 @@ from PIL import Image
 
 from toy.train import checkpoint
 from toy_testsupport.cli_helpers import run
-from toy_testsupport.signals import double_sigint
+from toy_testsupport.signals import double_sigint, signals_at
 from toy_vit.config import ViTConfig
 from toy_vit.gguf_io import write_gguf
 from toy_vit.train import init_params
@@ -53,22 +52,6 @@ def events(run_dir: Path) -> list[dict]:
 def the_run(root: Path) -> Path:
     (run_dir,) = list(root.glob("train-*"))
     return run_dir
-
-
-def signals_at(monkeypatch, obj, name: str, n: int) -> list[int]:
-    """``obj.name`` delivers ``n`` SIGINTs to this process on its first call, then runs."""
-    orig = getattr(obj, name)
-    calls: list[int] = []
-
-    def wrapper(*a, **k):
-        calls.append(1)
-        if len(calls) == 1:
-            for _ in range(n):
-                signal.raise_signal(signal.SIGINT)
-        return orig(*a, **k)
-
-    monkeypatch.setattr(obj, name, wrapper)
-    return calls
 
 
 @pytest.fixture(autouse=True)

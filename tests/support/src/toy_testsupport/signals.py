@@ -4,7 +4,7 @@
 writes its run under ``cwd/runs``), waits until the run has recorded ``after_steps`` steps, then sends
 two SIGINTs 1 ms apart -- what coreutils ``timeout -s INT`` does (the process, then its group) -- and
 returns ``(returncode, stdout, stderr, run_dir)``. Every wait is bounded; the child is killed if it
-outlives them.
+outlives them. ``signals_at`` delivers signals in this process at the moment a given function is called.
 """
 
 from __future__ import annotations
@@ -47,3 +47,21 @@ def double_sigint(
             p.kill()
             p.wait()
     return p.returncode, out, err, cwd / out.strip()
+
+
+def signals_at(monkeypatch, obj, name: str, n: int, sig=signal.SIGINT) -> list[int]:
+    """Replace ``obj.name`` (pytest's ``monkeypatch``) by a wrapper that, on its first call, delivers
+    ``n`` signals to this process (``signal.raise_signal``: the handler runs before the call returns)
+    and then calls the original; returns the list of calls."""
+    orig = getattr(obj, name)
+    calls: list[int] = []
+
+    def wrapper(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            for _ in range(n):
+                signal.raise_signal(sig)
+        return orig(*a, **k)
+
+    monkeypatch.setattr(obj, name, wrapper)
+    return calls
