@@ -22,23 +22,13 @@ from PIL import Image
 
 import toy_vit
 from toy_testsupport.cli_helpers import assert_clean_error, run
+from toy_testsupport.vit_images import write_folder
 from toy_vit.config import ViTConfig
 from toy_vit.evaluate import evaluate
 from toy_vit.gguf_io import read_gguf, write_gguf
 from toy_vit.train import init_params
 
 MICRO = ["--preset", "vit-micro", "--batch-size", "4", "--threads", "1", "--eval-every", "0", "--save-every", "0"]
-
-
-def write_folder(root: Path, classes=("a", "b", "c"), per_class: int = 8, size: int = 16, seed: int = 0) -> Path:
-    """Random RGB PNGs with a different brightness per class."""
-    rng = np.random.default_rng(seed)
-    for k, c in enumerate(classes):
-        (root / c).mkdir(parents=True, exist_ok=True)
-        for i in range(per_class):
-            a = rng.normal(60 + 60 * k, 40, (size, size, 3)).clip(0, 255).astype(np.uint8)
-            Image.fromarray(a).save(root / c / f"{i:02d}.png")
-    return root
 
 
 def write_model(path: Path, labels=("a", "b", "c"), seed: int = 1, **dims) -> Path:

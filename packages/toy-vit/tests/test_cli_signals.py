@@ -20,29 +20,17 @@ import sys
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from toy.train import checkpoint
 from toy_testsupport.cli_helpers import run
 from toy_testsupport.signals import double_sigint, signals_at
+from toy_testsupport.vit_images import write_folder
 from toy_vit.config import ViTConfig
 from toy_vit.gguf_io import write_gguf
 from toy_vit.train import init_params
 
 MICRO = ["--preset", "vit-micro", "--batch-size", "4", "--threads", "1", "--eval-every", "0"]
-
-
-def write_folder(root: Path, classes=("a", "b", "c"), per_class: int = 10, size: int = 16) -> Path:
-    """Random RGB PNGs with a different brightness per class."""
-    rng = np.random.default_rng(0)
-    for k, c in enumerate(classes):
-        (root / c).mkdir(parents=True, exist_ok=True)
-        for i in range(per_class):
-            a = rng.normal(60 + 60 * k, 40, (size, size, 3)).clip(0, 255).astype(np.uint8)
-            Image.fromarray(a).save(root / c / f"{i:02d}.png")
-    return root
 
 
 def events(run_dir: Path) -> list[dict]:
@@ -64,7 +52,7 @@ def _home(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    return write_folder(tmp_path_factory.mktemp("vitsig") / "data")
+    return write_folder(tmp_path_factory.mktemp("vitsig") / "data", per_class=10)
 
 
 def test_a_stop_during_the_step0_evaluation_of_a_fine_tune(capsys, monkeypatch, data, tmp_path):

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
 from sklearn import metrics
 
 import toy_vit
 from toy.errors import BadInputError
+from toy_testsupport.vit_images import write_folder
 from toy_vit.config import ViTConfig
 from toy_vit.data import ImageBatch, ImageFolder
 from toy_vit.evaluate import (
@@ -28,17 +28,6 @@ from toy_vit.evaluate import (
 from toy_vit.gguf_io import write_gguf
 from toy_vit.preprocess import DataError, preprocess
 from toy_vit.train import init_params
-
-
-def write_folder(root: Path, classes=("a", "b", "c"), per_class: int = 8, size: int = 16, seed: int = 0) -> Path:
-    """Random RGB PNGs, a brighter mean per class (so a model can tell them apart)."""
-    rng = np.random.default_rng(seed)
-    for k, c in enumerate(classes):
-        (root / c).mkdir(parents=True, exist_ok=True)
-        for i in range(per_class):
-            a = rng.normal(60 + 60 * k, 40, (size, size, 3)).clip(0, 255).astype(np.uint8)
-            Image.fromarray(a).save(root / c / f"{i:02d}.png")
-    return root
 
 
 def write_model(path: Path, labels=("a", "b", "c"), seed: int = 1, **dims) -> Path:
