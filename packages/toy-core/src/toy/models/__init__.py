@@ -28,14 +28,18 @@ which conform to ``LanguageModel``:
 - ``train_config(dims, n_vocab, context)``: the config a from-scratch run
   trains, from ``toy.train.config.resolve_shape``'s dimensions;
 - ``forward(ctx, cfg, weights, tokens, pos, attend, out_rows=None,
-  row_invariant=False, head=True, lora=None)``: the forward graph of T tokens
+  row_invariant=False, head=True, lora=None, taps=None)``: the forward graph of T tokens
   with a pluggable attention. ``attend(layer, q, k, v)`` gets Q (T, H, D), K
   and V (T, H_kv, D) (positions already applied where the architecture
   rotates them) and returns (T, H * D): the KV-cache attention of
   ``toy.engine.llm`` and the batched attention of ``common.forward_batch``
   are its two callers. ``lora`` maps a weight's GGUF name to
   ``(a, b, scale, drop)`` terms; ``head=False`` returns the final normed
-  hidden states, which ``output_weight(cfg)`` turns into logits;
+  hidden states, which ``output_weight(cfg)`` turns into logits; ``taps``
+  (a list) receives the residual stream after each block, before the
+  final norm (the logit lens, CKA and activation diagnostics read them);
+- ``final_norm(ctx, cfg, weights, x)``: the norm before the head, for a
+  residual stream ``x`` (a tap: the logit lens);
 - ``params(cfg)``: the trainable tensors, GGUF name -> ``ParamInfo(shape,
   kind)`` in llama.cpp's converter order, ``kind`` one of ``KINDS``
   (initialisation and weight decay read it);
@@ -187,6 +191,7 @@ class LMArchitecture:
     lora_targets: Callable[[Any], dict[str, LoraTarget]]
     attention_scale: Callable[[Any, int], float]
     output_weight: Callable[[Any], str]
+    final_norm: Callable[..., Any]
     metadata: Callable[[Any, str], dict[str, Any]]
     train_config: Callable[..., Any]
     sliding_window: Callable[[Any, int], int] = lambda cfg, layer: 0

@@ -126,7 +126,7 @@ def attention(ctx, q, k, v, mask, scale: float, row_invariant: bool = False, sof
     return ctx.reshape(a if a.is_contiguous else ctx.cont(a), (T, H * D))
 
 
-def forward_logits(ctx, cfg, weights, tokens, pos, mask, n_tokens: int, kv_type=None):
+def forward_logits(ctx, cfg, weights, tokens, pos, mask, n_tokens: int, kv_type=None, taps=None):
     """Logits (T, n_vocab) F32 of one sequence without a KV cache, for any
     architecture: ``tokens``/``pos`` I32 (T,), ``mask`` F32 (T, n_kv)
     (``causal_mask``), or ``{window: mask}`` for a model with sliding
@@ -134,7 +134,8 @@ def forward_logits(ctx, cfg, weights, tokens, pos, mask, n_tokens: int, kv_type=
     rows, masked out: the attention then has llama.cpp's padded KV length (a
     multiple of 32 without flash attention), so its F16 matmuls take the
     same kernels and sums. ``kv_type`` (e.g. F16) rounds K and V to that
-    type before attention, as a llama.cpp KV cache of that type does."""
+    type before attention, as a llama.cpp KV cache of that type does.
+    ``taps``: the architecture ``forward``'s (each block's residual stream)."""
     arch = models.language_model_of(cfg)
     T = n_tokens
     mask_of = layer_masks(arch, cfg, mask)
@@ -155,10 +156,10 @@ def forward_logits(ctx, cfg, weights, tokens, pos, mask, n_tokens: int, kv_type=
         scale, cap = arch.attention_scale(cfg, layer), arch.attention_softcap(cfg, layer)
         return attention(ctx, q, k, v, mask_of(layer), scale, softcap=cap)
 
-    return arch.forward(ctx, cfg, weights, tokens, pos, attend)
+    return arch.forward(ctx, cfg, weights, tokens, pos, attend, taps=taps)
 
 
-def forward_batch(ctx, cfg, weights, tokens, pos, mask, batch: int, keep=None, lora=None):
+def forward_batch(ctx, cfg, weights, tokens, pos, mask, batch: int, keep=None, lora=None, taps=None):
     """Logits (B*T, V) of B rows of T tokens at once, for training, for any
     architecture: ``tokens`` and ``pos`` I32 (B*T,) (row-major), ``mask`` F32
     (B, 1, T, T) additive attention mask (``block_causal_mask``), broadcast
@@ -174,7 +175,8 @@ def forward_batch(ctx, cfg, weights, tokens, pos, mask, batch: int, keep=None, l
     the copies, but its gradients would fall back to ggml's OUT_PROD loops;
     without one they are toy GEMM products like the forward (the copies cost
     a K- and V-sized pass per layer). The scores are viewed as (B, H, T, T)
-    for one soft_max with the mask, then one mul_mat with V."""
+    for one soft_max with the mask, then one mul_mat with V. ``taps``: the
+    architecture ``forward``'s (each block's residual stream, (B*T, d))."""
     arch = models.language_model_of(cfg)
     N = tokens.shape[0]
     if N % batch:
@@ -206,7 +208,7 @@ def forward_batch(ctx, cfg, weights, tokens, pos, mask, batch: int, keep=None, l
         a = ctx.reshape(ctx.mul_mat(v, kq), (batch, H, T, D))
         return ctx.reshape(ctx.cont(ctx.permute(a, (0, 2, 1, 3))), (N, H * D))
 
-    h = arch.forward(ctx, cfg, weights, tokens, pos, attend, head=False, lora=lora)  # (N, d)
+    h = arch.forward(ctx, cfg, weights, tokens, pos, attend, head=False, lora=lora, taps=taps)  # (N, d)
     if keep is not None:
         h = ctx.mul(h, keep)
     return final_softcapped(ctx, arch, cfg, ctx.mul_mat(weights[arch.output_weight(cfg)], h))

@@ -275,6 +275,7 @@ def forward(
     row_invariant: bool = False,
     head: bool = True,
     lora=None,
+    taps=None,
 ):
     """The Gemma forward of T tokens with a pluggable attention (the
     protocol of ``toy.models``; see ``toy.models.llama.forward`` for the
@@ -317,10 +318,17 @@ def forward(
         g = ctx.mul(gelu_tanh(ctx, lin(f"{p}.ffn_gate.weight", h), cfg.gelu), lin(f"{p}.ffn_up.weight", h))
         f = norm(lin(f"{p}.ffn_down.weight", g), weights[f"{p}.post_ffw_norm.weight"])
         x = ctx.add(x, f)
-    x = norm(x, weights["output_norm.weight"])
+        if taps is not None:
+            taps.append(x)  # the residual stream after the block (see toy.models.llama.forward)
+    x = final_norm(ctx, cfg, weights, x)
     if not head:
         return x  # (N, d)
     return final_softcapped(ctx, ARCH, cfg, mm(weights[output_weight(cfg)], x))  # (N, V)
+
+
+def final_norm(ctx, cfg: GemmaConfig, weights, x):
+    """The norm before the head (``output_norm``) of a residual stream ``x``."""
+    return ctx.mul(ctx.rms_norm(x, cfg.rms_eps), weights["output_norm.weight"])
 
 
 def output_weight(cfg: GemmaConfig) -> str:
@@ -541,6 +549,7 @@ ARCH = LMArchitecture(
     lora_targets=lora_targets,
     attention_scale=lambda cfg, layer: cfg.attn_scale,
     output_weight=output_weight,
+    final_norm=final_norm,
     metadata=metadata,
     train_config=train_config,
     sliding_window=lambda cfg, layer: cfg.window(layer),
@@ -556,6 +565,7 @@ __all__ = [
     "PRESETS",
     "SUPPORTED_ARCHITECTURES",
     "GemmaConfig",
+    "final_norm",
     "forward",
     "lora_targets",
     "metadata",

@@ -140,6 +140,7 @@ def forward(
     row_invariant: bool = False,
     head: bool = True,
     lora=None,
+    taps=None,
 ):
     """The GPT-2 forward of T tokens with a pluggable attention (the
     protocol's ``forward``; see ``toy.models``). ``pos`` I32 (T,) indexes
@@ -165,7 +166,9 @@ def forward(
             x = ctx.get_rows(x, out_rows)  # (N, d): the rows whose logits are wanted
         h = gelu_tanh(ctx, affine(f"{p}.ffn_up", norm(x, f"{p}.ffn_norm")), cfg.gelu)
         x = ctx.add(x, affine(f"{p}.ffn_down", h))
-    x = norm(x, "output_norm")
+        if taps is not None:
+            taps.append(x)  # the residual stream after the block (see toy.models.llama.forward)
+    x = final_norm(ctx, cfg, weights, x)
     if not head:
         return x  # (N, d)
     return mm(weights[output_weight(cfg)], x)  # (N, V)
@@ -175,6 +178,11 @@ def _third(ctx, qkv, j: int, T: int, H: int, D: int):
     """The j-th third of the fused (T, 3 * H * D) projection as (T, H, D),
     made contiguous (the KV cache's writes reshape it)."""
     return ctx.cont(ctx.view(qkv, (T, H, D), strides=(qkv.strides[0], D * 4, 4), offset=j * H * D * 4))
+
+
+def final_norm(ctx, cfg: GPT2Config, weights, x):
+    """The layer norm before the head (``output_norm``) of a residual stream ``x``."""
+    return ctx.add(ctx.mul(ctx.norm(x, cfg.norm_eps), weights["output_norm.weight"]), weights["output_norm.bias"])
 
 
 def output_weight(cfg: GPT2Config) -> str:
@@ -285,6 +293,7 @@ ARCH = LMArchitecture(
     lora_targets=lora_targets,
     attention_scale=attention_scale,
     output_weight=output_weight,
+    final_norm=final_norm,
     metadata=metadata,
     train_config=train_config,
     card=decoder_card,
@@ -293,4 +302,14 @@ ARCH = LMArchitecture(
     traits={"gpt2": Traits(norm="layer", rope_pairs="neox")},
 )
 
-__all__ = ["ARCH", "PRESETS", "GPT2Config", "forward", "lora_targets", "metadata", "params", "train_config"]
+__all__ = [
+    "ARCH",
+    "PRESETS",
+    "GPT2Config",
+    "final_norm",
+    "forward",
+    "lora_targets",
+    "metadata",
+    "params",
+    "train_config",
+]

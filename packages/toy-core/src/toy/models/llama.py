@@ -268,6 +268,7 @@ def forward(
     row_invariant: bool = False,
     head: bool = True,
     lora=None,
+    taps=None,
 ):
     """The llama-family forward of T tokens with a pluggable attention.
 
@@ -289,6 +290,11 @@ def forward(
     ``drop`` None or an F32 (T, in) dropout mask already scaled by 1/(1-p)
     — llama.cpp's ``build_lora_mm`` for inference, the trainable path of
     ``toy.train.lora``.
+
+    ``taps`` (a list, optional) receives the residual stream after each
+    block, (T, d) (N rows after the last block with ``out_rows``), before
+    the final norm: the logit lens, CKA and the activation diagnostics read
+    them (``final_norm`` and the head turn one into logits).
     """
     T, H, Hkv, D, eps = tokens.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps
     rope_args = cfg.rope_args()
@@ -322,13 +328,22 @@ def forward(
         h = norm(x, weights[f"{p}.ffn_norm.weight"])
         if cfg.n_expert:
             x = ctx.add(x, moe.ffn(ctx, cfg, weights, lin, p, h, row_invariant))
+            if taps is not None:
+                taps.append(x)
             continue
         g = ctx.swiglu(lin(f"{p}.ffn_gate.weight", h), lin(f"{p}.ffn_up.weight", h))
         x = ctx.add(x, lin(f"{p}.ffn_down.weight", g))
-    x = norm(x, weights["output_norm.weight"])
+        if taps is not None:
+            taps.append(x)
+    x = final_norm(ctx, cfg, weights, x)
     if not head:
         return x  # (N, d)
     return mm(weights[output_weight(cfg)], x)  # (N, V)
+
+
+def final_norm(ctx, cfg: LlamaConfig, weights, x):
+    """The norm before the head (``output_norm``) of a residual stream ``x``."""
+    return ctx.mul(ctx.rms_norm(x, cfg.rms_eps), weights["output_norm.weight"])
 
 
 def output_weight(cfg: LlamaConfig) -> str:
@@ -448,6 +463,7 @@ ARCH = LMArchitecture(
     lora_targets=lora_targets,
     attention_scale=attention_scale,
     output_weight=output_weight,
+    final_norm=final_norm,
     metadata=metadata,
     train_config=train_config,
     card=decoder_card,
@@ -460,6 +476,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "LlamaConfig",
     "attention_scale",
+    "final_norm",
     "forward",
     "lora_targets",
     "metadata",

@@ -130,7 +130,10 @@ class LanguageModel(Architecture, Protocol):
         row_invariant: bool = False,
         head: bool = True,
         lora: Any = None,
+        taps: list[Any] | None = None,
     ) -> Any: ...
+
+    def final_norm(self, ctx: Any, cfg: Any, weights: Any, x: Any) -> Any: ...
 
     def lora_targets(self, cfg: Any) -> Mapping[str, LoraTarget]: ...
 
