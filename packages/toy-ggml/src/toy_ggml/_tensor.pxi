@@ -406,6 +406,30 @@ cdef class Tensor:
         """The ggml_tensor pointer as an integer (identity across wrappers)."""
         return <uintptr_t>self.ptr
 
+    @property
+    def sources(self):
+        """The tensors this op reads (ggml's ``src``), in order, without the
+        empty slots; () for a leaf. For reading a graph's structure (a step
+        trace's layer grouping); the wrappers share this tensor's context."""
+        self._ok()
+        cdef int i
+        cdef ggml_tensor * q
+        out = []
+        for i in range(GGML_MAX_SRC):
+            q = self.ptr.src[i]
+            if q != NULL:
+                out.append(_wrap(self.ctx, q, max(1, ggml_n_dims(q))))
+        return tuple(out)
+
+    @property
+    def view_source(self):
+        """The tensor whose memory this view reads (ggml's ``view_src``), or None."""
+        self._ok()
+        cdef ggml_tensor * q = self.ptr.view_src
+        if q == NULL:
+            return None
+        return _wrap(self.ctx, q, max(1, ggml_n_dims(q)))
+
     def __eq__(self, other):
         return isinstance(other, Tensor) and (<Tensor>other).ptr == self.ptr
 
