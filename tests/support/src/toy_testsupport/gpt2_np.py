@@ -67,8 +67,10 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
 
 
-def forward(cfg: Mapping, w: Mapping[str, np.ndarray], ids) -> np.ndarray:
-    """Float64 logits ``(T, V)`` for token ids ``ids`` at positions 0..T-1."""
+def forward(cfg: Mapping, w: Mapping[str, np.ndarray], ids, hidden: list | None = None) -> np.ndarray:
+    """Float64 logits ``(T, V)`` for token ids ``ids`` at positions 0..T-1;
+    ``hidden`` (a list, optional) receives the residual stream (T, d) after
+    each block."""
     ids = np.asarray(ids, dtype=np.int64)
     T = len(ids)
     d, H, eps = int(cfg["n_embd"]), int(cfg["n_head"]), float(cfg["eps"])
@@ -94,6 +96,8 @@ def forward(cfg: Mapping, w: Mapping[str, np.ndarray], ids) -> np.ndarray:
         h = layer_norm(x, W(p + "ffn_norm.weight"), W(p + "ffn_norm.bias"), eps)
         u = gelu_tanh(h @ W(p + "ffn_up.weight").T + W(p + "ffn_up.bias"))
         x = x + u @ W(p + "ffn_down.weight").T + W(p + "ffn_down.bias")
+        if hidden is not None:
+            hidden.append(x)
     x = layer_norm(x, W("output_norm.weight"), W("output_norm.bias"), eps)
     head = W("output.weight") if "output.weight" in w else W("token_embd.weight")
     return x @ head.T

@@ -1,4 +1,5 @@
-"""`toy eval`: logprobs, perplexity, compare (KL of two models), lmc.
+"""`toy eval`: logprobs, perplexity, compare (KL of two models), lmc, lens
+(the logit lens) and cka (linear CKA between two models' layers).
 
 Every command computes with ``toy.eval`` (the numbers are the library's),
 prints its result on stdout (a table and a summary line, or ``--json``),
@@ -29,7 +30,9 @@ import typer
 
 from toy_cli.ui import Batch, CLIError, Device, JsonReport, Progress, RunsDir, Threads, cli_errors
 
-eval_app = typer.Typer(help="Evaluate models: logprobs, perplexity, compare two models, linear mode connectivity.")
+eval_app = typer.Typer(
+    help="Evaluate models: logprobs, perplexity, compare two models, linear mode connectivity, the logit lens, CKA."
+)
 
 Context = Annotated[int, typer.Option("--context", "-c", help="Tokens per window (llama-perplexity's -c).")]
 Stride = Annotated[
@@ -360,10 +363,230 @@ def lmc_cmd(
     _finish(w, False, {})
 
 
+# -- lens and cka ----------------------------------------------------------------
+
+TextOpt = Annotated[str | None, typer.Option("--text", "-t", help="The text to read ('-' reads stdin).")]
+FileOpt = Annotated[Path | None, typer.Option("--file", "-f", help="Read this file's text instead.")]
+LENS_COLUMNS = 8  # positions a terminal table shows (--positions picks them; --json has all)
+MaxTokens = Annotated[
+    int,
+    typer.Option("--max-tokens", "-n", help="Read at most this many tokens of the text (and the model's context)."),
+]
+
+
+def _limit(max_tokens: int, *models) -> int:
+    """--max-tokens within every model's context (else exit 2)."""
+    from toy.eval.lens import context_limit
+
+    if max_tokens < 1:
+        raise CLIError(f"--max-tokens {max_tokens} must be >= 1", None, 2)
+    return min([max_tokens, *(context_limit(m) for m in models)])
+
+
+@contextmanager
+def _stop_on_interrupt(label: str) -> Iterator[None]:
+    """Ctrl-C: a line saying nothing was recorded (the bundle, if any, ends "interrupted"), exit 130."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        typer.echo(f"{label}: interrupted: no result was recorded", err=True)
+        raise typer.Exit(130) from None
+
+
+def _cut_note(n_read: int, n_text: int) -> None:
+    if n_read < n_text:
+        typer.echo(f"reading the first {n_read} of the text's {n_text} tokens (--max-tokens, context)", err=True)
+
+
+def _lens_text(text: str | None, file: Path | None, usage: str) -> str:
+    """The text of ``--text`` or ``--file`` (exactly one)."""
+    import toy.eval as E
+
+    if (text is None) == (file is None):
+        raise CLIError("give --text or --file (one of them)", usage, 2)
+    if file is not None:
+        with cli_errors():
+            return E.read_eval_text(file)
+    assert text is not None
+    return sys.stdin.read() if text == "-" else text
+
+
+def _load_for_inside(model: str, lora: list[str] | None, device, threads):
+    """A model for the lens or CKA: its whole context, the adapters applied."""
+    import toy
+    from toy.gguf import GGUFFile
+    from toy_cli.ui import parse_lora_options
+
+    adapters = parse_lora_options(lora)
+    with cli_errors():
+        if Path(model).is_file():
+            with GGUFFile(model) as gf:
+                if gf.metadata.get("general.type") == "adapter":
+                    from toy.errors import BadInputError
+
+                    raise BadInputError(
+                        f"{model} is a LoRA adapter, not a model",
+                        hint="pass the base model and the adapter with --lora (--lora-a / --lora-b for cka)",
+                    )
+        return toy.load(model, device=device, threads=threads, lora=adapters or None)
+
+
+def _cell(top: list[tuple[int, str, float]], kl: float) -> str:
+    lines = [f"{_short(s)} {p:.2f}" for _, s, p in top]
+    return "\n".join([*lines, f"KL {kl:.3f}"])
+
+
+def _short(s: str, n: int = 10) -> str:
+    r = repr(s)
+    return r if len(r) <= n else r[: n - 1] + "…"
+
+
+def lens_cmd(
+    model: Annotated[str, typer.Argument(help="A GGUF path or a model name (`toy list`).")],
+    text: TextOpt = None,
+    file: FileOpt = None,
+    top: Annotated[int, typer.Option("--top", "-k", help="Tokens shown per layer and position.")] = 3,
+    positions: Annotated[
+        str | None,
+        typer.Option(
+            "--positions", "-p", help="Positions to read: e.g. 0,3,5-7,-1 (default: the last 8; all in --json)."
+        ),
+    ] = None,
+    lora: Annotated[
+        list[str] | None,
+        typer.Option("--lora", metavar="ADAPTER[:SCALE]", help="Apply a LoRA adapter (GGUF); repeatable."),
+    ] = None,
+    max_tokens: MaxTokens = 512,
+    device: Device = None,
+    threads: Threads = None,
+    as_json: JsonReport = False,
+    runs_dir: RunsDir = None,
+) -> None:
+    """The logit lens: each layer's residual stream through the final norm and head, per position
+    (top tokens and KL(final || layer))."""
+    import toy.eval as E
+    from toy.eval.lens import parse_positions, text_ids
+
+    body = _lens_text(text, file, "toy eval lens MODEL --text 'some text'")
+    if top < 0:
+        raise CLIError(f"--top {top} must be >= 0", None, 2)
+    with cli_errors():
+        _check_runs_dir(runs_dir)
+    with _stop_on_interrupt("lens"), _load_for_inside(model, lora, device, threads) as m, cli_errors():
+        ids = text_ids(m, body)
+        n = _limit(max_tokens, m)
+        _cut_note(n, len(ids))
+        ids = ids[:n]
+        n = len(ids)
+        if positions is None and not as_json:
+            pos = list(range(max(0, n - LENS_COLUMNS), n))
+        else:
+            pos = parse_positions(positions, n)
+        cfg = {"model": str(m.path), "file": str(file) if file else None, "top": top, "positions": pos,
+               "max_tokens": max_tokens, "lora": [str(x) for x in lora or ()]}  # fmt: skip
+        with E.eval_run("lens", cfg, runs_dir, model=E.record.model_info(m)) as w:
+            res = E.logit_lens(m, ids, top_k=top, positions=pos)
+            for li in range(res.n_layer):
+                kls = [p.layers[li].kl for p in res.positions]
+                w.event("eval", name=f"lens@{li}", layer=li, kl_mean=sum(kls) / len(kls), tokens=n)
+    if as_json:
+        return _finish(w, True, res.to_dict())
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(soft_wrap=False)
+    fits = max(1, (console.width - 8) // 11) if console.is_terminal else LENS_COLUMNS  # a cell is ~10 wide
+    shown = res.positions[-min(LENS_COLUMNS, fits) :]
+    if not console.is_terminal:
+        console = Console(soft_wrap=False, width=max(console.width, 8 + 11 * len(shown)))
+    table = Table(box=None, pad_edge=False, header_style="bold", show_lines=True)
+    table.add_column("LAYER", justify="right", no_wrap=True, min_width=6)
+    for p in shown:
+        nxt = "" if p.next_text is None else f"\n→ {_short(p.next_text)}"
+        table.add_column(f"{p.position} {_short(p.text)}{nxt}", no_wrap=True)
+    for li in range(res.n_layer):
+        table.add_row(f"blk.{li}", *[_cell(p.layers[li].top, p.layers[li].kl) for p in shown])
+    console.print(table)
+    if len(shown) < len(res.positions) or (positions is None and len(res.positions) < n):
+        typer.echo(
+            f"showing {len(shown)} of the text's {n} positions ({shown[0].position}..{shown[-1].position}): "
+            "--positions picks them, --json has every one",
+            err=True,
+        )
+    typer.echo(f"KL(final || layer) in nats; {n} tokens, {res.n_layer} layers; the last layer's lens is the output")
+    _finish(w, False, {})
+
+
+def cka_cmd(
+    model_a: Annotated[str, typer.Argument(help="The first model or checkpoint (GGUF path or `toy list` name).")],
+    model_b: Annotated[str, typer.Argument(help="The second; same tokenizer (layer counts may differ).")],
+    text: TextOpt = None,
+    file: FileOpt = None,
+    lora_a: Annotated[
+        list[str] | None, typer.Option("--lora-a", metavar="ADAPTER[:SCALE]", help="A LoRA adapter for A; repeatable.")
+    ] = None,
+    lora_b: Annotated[
+        list[str] | None, typer.Option("--lora-b", metavar="ADAPTER[:SCALE]", help="A LoRA adapter for B; repeatable.")
+    ] = None,
+    max_tokens: MaxTokens = 512,
+    device: Device = None,
+    threads: Threads = None,
+    as_json: JsonReport = False,
+    runs_dir: RunsDir = None,
+) -> None:
+    """Linear CKA between every layer of A and every layer of B on one text."""
+    import toy.eval as E
+
+    body = _lens_text(text, file, "toy eval cka A B --text 'some text'")
+    with cli_errors():
+        _check_runs_dir(runs_dir)
+    with (
+        _stop_on_interrupt("cka"),
+        _load_for_inside(model_a, lora_a, device, threads) as a,
+        _load_for_inside(model_b, lora_b, device, threads) as b,
+        cli_errors(),
+    ):
+        from toy.eval.lens import text_ids
+
+        limit, n_text = _limit(max_tokens, a, b), len(text_ids(a, body))
+        _cut_note(min(limit, n_text), n_text)
+        cfg = {"model": str(a.path), "model_b": str(b.path), "file": str(file) if file else None,
+               "max_tokens": max_tokens, "lora_a": [str(x) for x in lora_a or ()],
+               "lora_b": [str(x) for x in lora_b or ()]}  # fmt: skip
+        with E.eval_run("cka", cfg, runs_dir, model=E.record.model_info(a), model_b=E.record.model_info(b)) as w:
+            res = E.layer_cka(a, b, body, max_tokens=limit)
+            d = res.to_dict()
+            w.event("eval", name="cka", tokens=res.n_tokens, matrix=d["matrix"], diagonal=d["diagonal"])
+    if as_json:
+        return _finish(w, True, d)
+    na, nb = res.matrix.shape
+
+    def fmt(v: float) -> str:
+        return "  nan" if v != v else f"{v:.3f}"
+
+    if nb <= 12:
+        typer.echo("A \\ B  " + " ".join(f"{f'blk.{j}':>6}" for j in range(nb)))
+        for i in range(na):
+            typer.echo(f"{f'blk.{i}':<7}  " + " ".join(f"{fmt(v):>6}" for v in res.matrix[i]))
+    else:
+        typer.echo(f"{'A':<7}  {'same B':>7}  {'best B':>8}  {'CKA':>6}")
+        for i in range(na):
+            row = res.matrix[i]
+            j = int(row.argmax()) if (row == row).any() else 0
+            same = fmt(row[i]) if i < nb else "-"
+            typer.echo(f"{f'blk.{i}':<7}  {same:>7}  {f'blk.{j}':>8}  {fmt(row[j]):>6}")
+    diag = res.diagonal
+    mean = f"; mean CKA of layer i with layer i: {sum(diag) / len(diag):.4f}" if diag else ""
+    typer.echo(f"linear CKA over {res.n_tokens} tokens, {na} layers of A x {nb} of B{mean}")
+    _finish(w, False, {})
+
+
 eval_app.command("logprobs")(logprobs_cmd)
 eval_app.command("perplexity")(perplexity_cmd)
 eval_app.command("compare")(compare_cmd)
 eval_app.command("lmc")(lmc_cmd)
+eval_app.command("lens")(lens_cmd)
+eval_app.command("cka")(cka_cmd)
 
 
 def register(app: typer.Typer) -> None:

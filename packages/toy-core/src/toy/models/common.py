@@ -126,7 +126,7 @@ def attention(ctx, q, k, v, mask, scale: float, row_invariant: bool = False, sof
     return ctx.reshape(a if a.is_contiguous else ctx.cont(a), (T, H * D))
 
 
-def forward_logits(ctx, cfg, weights, tokens, pos, mask, n_tokens: int, kv_type=None, taps=None):
+def forward_logits(ctx, cfg, weights, tokens, pos, mask, n_tokens: int, kv_type=None, taps=None, lora=None):
     """Logits (T, n_vocab) F32 of one sequence without a KV cache, for any
     architecture: ``tokens``/``pos`` I32 (T,), ``mask`` F32 (T, n_kv)
     (``causal_mask``), or ``{window: mask}`` for a model with sliding
@@ -135,7 +135,8 @@ def forward_logits(ctx, cfg, weights, tokens, pos, mask, n_tokens: int, kv_type=
     multiple of 32 without flash attention), so its F16 matmuls take the
     same kernels and sums. ``kv_type`` (e.g. F16) rounds K and V to that
     type before attention, as a llama.cpp KV cache of that type does.
-    ``taps``: the architecture ``forward``'s (each block's residual stream)."""
+    ``taps``: the architecture ``forward``'s (each block's residual stream);
+    ``lora``: its LoRA terms (an engine's ``lora``)."""
     arch = models.language_model_of(cfg)
     T = n_tokens
     mask_of = layer_masks(arch, cfg, mask)
@@ -156,7 +157,7 @@ def forward_logits(ctx, cfg, weights, tokens, pos, mask, n_tokens: int, kv_type=
         scale, cap = arch.attention_scale(cfg, layer), arch.attention_softcap(cfg, layer)
         return attention(ctx, q, k, v, mask_of(layer), scale, softcap=cap)
 
-    return arch.forward(ctx, cfg, weights, tokens, pos, attend, taps=taps)
+    return arch.forward(ctx, cfg, weights, tokens, pos, attend, lora=lora, taps=taps)
 
 
 def forward_batch(ctx, cfg, weights, tokens, pos, mask, batch: int, keep=None, lora=None, taps=None):
@@ -214,7 +215,7 @@ def forward_batch(ctx, cfg, weights, tokens, pos, mask, batch: int, keep=None, l
     return final_softcapped(ctx, arch, cfg, ctx.mul_mat(weights[arch.output_weight(cfg)], h))
 
 
-def final_softcapped(ctx, arch, cfg, logits):
+def final_softcapped(ctx: Any, arch: Any, cfg: Any, logits: Any) -> Any:
     """``c · tanh(logits / c)`` for an architecture with a final soft-cap c
     (``arch.final_softcap``), the logits unchanged otherwise."""
     cap = arch.final_softcap(cfg)

@@ -135,12 +135,17 @@ def rope_scaling_of(cfg, w: Mapping[str, np.ndarray]) -> dict:
 
 
 def forward_logits(
-    cfg, w: Mapping[str, np.ndarray], ids, qkv_round: Callable[[np.ndarray], np.ndarray] | None = None
+    cfg,
+    w: Mapping[str, np.ndarray],
+    ids,
+    qkv_round: Callable[[np.ndarray], np.ndarray] | None = None,
+    hidden: list | None = None,
 ) -> np.ndarray:
     """Logits (T, n_vocab) float64 of token ids (T,). ``qkv_round`` (optional)
     maps Q, K and V, each (T, heads, D) after RoPE, to rounded copies before
     attention: a test emulates a storage type with it (e.g. a quantized KV
-    cache, through a quantize/dequantize round trip)."""
+    cache, through a quantize/dequantize round trip). ``hidden`` (a list,
+    optional) receives the residual stream (T, d) after each block."""
     ids = np.asarray(ids, dtype=np.int64)
     T, H, Hkv, D, eps = len(ids), cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps
     group = H // Hkv
@@ -175,6 +180,8 @@ def forward_logits(
         gate = h @ w[f"{p}.ffn_gate.weight"].T
         up = h @ w[f"{p}.ffn_up.weight"].T
         x = x + (gate / (1.0 + np.exp(-gate)) * up) @ w[f"{p}.ffn_down.weight"].T
+        if hidden is not None:
+            hidden.append(x)
     x = _rms(x, w["output_norm.weight"], eps)
     head = w["token_embd.weight" if cfg.tied_output else "output.weight"]
     return x @ np.asarray(head, np.float64).T
