@@ -70,10 +70,12 @@ COMMANDS = {
     ),
     "eval": Lazy(
         _M + "eval",
-        "Evaluate models: logprobs, perplexity, compare two models, linear mode connectivity.",
+        "Evaluate models: logprobs, perplexity, compare two models, linear mode connectivity, the logit lens, CKA.",
         group=True,
     ),
-    "runs": Lazy(_M + "runs", "Read run bundles (runs/<run_id>/): list, show, compare and plot them.", group=True),
+    "runs": Lazy(
+        _M + "runs", "Read run bundles (runs/<run_id>/): list, show, compare, plot and export them.", group=True
+    ),
     "merge": Lazy(
         _M + "merge",
         "Merge LoRA adapters into BASE's weights and write OUT (a plain model llama.cpp loads), then report\n"
@@ -83,6 +85,10 @@ COMMANDS = {
         _M + "data",
         "Fine-tuning data: check a JSONL file against a model, write the demo chat set.",
         group=True,
+    ),
+    "new": Lazy(
+        _M + "new",
+        "Write a project: toy.toml (the defaults commands read inside it), data/, runs/, starter configs, a README.",
     ),
 }
 

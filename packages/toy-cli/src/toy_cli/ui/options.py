@@ -40,21 +40,29 @@ Batch = Annotated[int, typer.Option("--batch", "-b", help="Tokens per forward pa
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 JsonReport = Annotated[bool, typer.Option("--json", help="Print the report as JSON.")]
 RunsDir = Annotated[
-    Path | None, typer.Option("--runs-dir", help="The runs folder (default: $TOY_RUNS_DIR, else ./runs).")
+    Path | None,
+    typer.Option(
+        "--runs-dir", help="The runs folder (default: $TOY_RUNS_DIR, else the project's in toy.toml, else ./runs)."
+    ),
 ]
 
 # -- training runs ----------------------------------------------------------------
 
 TrainDevice = Annotated[
     str | None,
-    typer.Option("--device", help="cpu, cuda0, ... (default: TOY_DEVICE, else cpu).", rich_help_panel=RUN_PANEL),
+    typer.Option(
+        "--device",
+        help="cpu, cuda0, ... (default: TOY_DEVICE, else the project's in toy.toml, else cpu).",
+        rich_help_panel=RUN_PANEL,
+    ),
 ]
 TrainThreads = Annotated[
     int | None,
     typer.Option(
         "--threads",
         "-t",
-        help="CPU threads (default: physical cores, fewer while the machine is busy).",
+        help="CPU threads (default: TOY_THREADS, else the project's in toy.toml, else physical cores, "
+        "fewer while the machine is busy).",
         rich_help_panel=RUN_PANEL,
     ),
 ]
@@ -62,13 +70,18 @@ Seed = Annotated[
     int | None,
     typer.Option(
         "--seed",
-        help="Seed of everything random in the run: initial weights, data split and order, ... (default 0).",
+        help="Seed of everything random in the run: initial weights, data split and order, ... "
+        "(default: the project's seed in toy.toml, else 0).",
         rich_help_panel=RUN_PANEL,
     ),
 ]
 RunsOut = Annotated[
     Path | None,
-    typer.Option("--out", help="Runs folder (default: $TOY_RUNS_DIR, else ./runs).", rich_help_panel=RUN_PANEL),
+    typer.Option(
+        "--out",
+        help="Runs folder (default: $TOY_RUNS_DIR, else the project's in toy.toml, else ./runs).",
+        rich_help_panel=RUN_PANEL,
+    ),
 ]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")]
 JsonSummary = Annotated[bool, typer.Option("--json", help="Print a JSON summary.")]
