@@ -1,8 +1,9 @@
 """The command that installs an optional part of toy, as it works from here.
 
 ``install_command(extra)`` answers for ``"serve"`` (``toy serve``, toy-serve),
-``"vit"`` (``toy vit``, toy-vit) and ``"plot"`` (matplotlib, for ``toy runs
-plot`` and ``toy vit eval --plot``). Every install hint toy prints comes from
+``"vit"`` (``toy vit``, toy-vit), ``"plot"`` (matplotlib, for ``toy runs
+plot`` and ``toy vit eval --plot``), ``"tensorboard"`` (tensorboardX) and
+``"mlflow"`` (mlflow-skinny; both for ``--report-to`` and ``toy runs export``). Every install hint toy prints comes from
 it, so a hint names a command that exists for the way this copy of toy was
 installed. The way is read from toy-core's distribution (toy-cli's when
 toy-core's metadata is missing): its PEP 610 ``direct_url.json``, and the
@@ -11,10 +12,13 @@ record ``tools/install.py`` leaves in the environment (``<prefix>/.toy-install.j
 - installed by ``tools/install.py`` from a checkout (``just install``): the
   same installer with the extras the environment has plus the one asked for
   (``just install`` is declarative: an extra left out is removed), and
-  ``--venv`` when the environment is not the checkout's ``.venv``;
+  ``--venv`` when the environment is not the checkout's ``.venv``; for an
+  extra the installer has no flag for (tensorboard, mlflow), the index command
+  below (pip keeps the installed toy-cli and adds the extra's packages);
 - an editable install (``just setup``, the development environment, which
-  installs everything): ``just setup``; for ``plot`` only when matplotlib is a
-  development requirement (``requirements/dev.txt``), else the index command;
+  installs everything): ``just setup``; for an extra that is not a toy package
+  (plot, tensorboard, mlflow) only when its package is a development
+  requirement (``requirements/dev.txt``), else the index command;
 - installed from wheel files in a folder (``tools/install.py --wheels dist``):
   ``pip install --find-links <folder> 'toy-cli[<extra>]'``;
 - anything else (from a package index): ``pip install 'toy-cli[<extra>]'``.
@@ -38,24 +42,31 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 # extra -> the distribution it brings (an extra of toy-cli each)
-EXTRAS = {"serve": "toy-serve", "vit": "toy-vit", "plot": "matplotlib"}
+EXTRAS = {
+    "serve": "toy-serve",
+    "vit": "toy-vit",
+    "plot": "matplotlib",
+    "tensorboard": "tensorboardX",
+    "mlflow": "mlflow-skinny",
+}
+INSTALLER_FLAGS = ("serve", "vit", "plot")  # the extras tools/install.py has a flag for
 STAMP = ".toy-install.json"  # tools/install.py's record in the environment it installed
 
 __all__ = ["EXTRAS", "install_command"]
 
 
 def install_command(extra: str) -> str:
-    """The shell command that adds ``extra`` (serve, vit or plot) to this toy."""
+    """The shell command that adds ``extra`` (one of ``EXTRAS``) to this toy."""
     if extra not in EXTRAS:
         raise ValueError(f"unknown extra {extra!r} (have: {', '.join(EXTRAS)})")
     how, where = _origin()
-    if how == "checkout":
-        flags = [f"--{e}" for e in EXTRAS if e == extra or _installed(EXTRAS[e])]
+    if how == "checkout" and extra in INSTALLER_FLAGS:
+        flags = [f"--{e}" for e in INSTALLER_FLAGS if e == extra or _installed(EXTRAS[e])]
         env = Path(sys.prefix).resolve()
         if env != (where / ".venv").resolve():
             flags = ["--venv", _shown(env, where)] + flags
         return _cd(where) + " ".join(["just", "install", *flags])
-    if how == "editable" and (extra != "plot" or _dev_requires(where, "matplotlib")):
+    if how == "editable" and (extra in ("serve", "vit") or _dev_requires(where, EXTRAS[extra].lower())):
         return _cd(where) + "just setup"
     links = f"--find-links {shlex.quote(_shorter(where))} " if how == "wheels" else ""
     return f"{_pip()} install {links}'toy-cli[{extra}]'"

@@ -47,6 +47,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from toy.project import current as current_project
+
 SCHEMA = "toy/v1"
 ON_ERROR = ("raise", "degrade")
 
@@ -94,8 +96,16 @@ def new_run_id(kind: str) -> str:
 
 
 def runs_dir(path: str | os.PathLike[str] | None = None) -> Path:
-    """Where run bundles go: ``path``, else ``$TOY_RUNS_DIR``, else ``./runs``."""
-    return Path(path or os.environ.get("TOY_RUNS_DIR") or "runs")
+    """Where run bundles go: ``path``, else ``$TOY_RUNS_DIR``, else the runs
+    folder of the project around the current folder (``toy.toml``'s
+    ``runs``, see ``toy.project``), else ``./runs``. The environment wins
+    over the project: it is the more specific choice, made for this shell."""
+    if path or os.environ.get("TOY_RUNS_DIR"):
+        return Path(path or os.environ["TOY_RUNS_DIR"])
+    project = current_project()
+    if project is not None and project.runs is not None:
+        return project.runs
+    return Path("runs")
 
 
 class RunWriter:
@@ -178,6 +188,7 @@ class RunWriter:
         self.healthy = True  # the last write succeeded
         self.last_error: str | None = None
         self._lost = 0  # events lost since the last write that succeeded
+        self._listeners: list[tuple[Any, str]] = []  # (fn, name): add_listener
 
     def _raw_write(self, data: bytes | memoryview) -> int:
         """One ``write`` on the events file (tests replace it to inject failures)."""
@@ -206,12 +217,36 @@ class RunWriter:
 
     def event(self, kind: str, **fields: Any) -> bool:
         """Append one event (``kind`` and ``t`` first). Returns whether it was written: False only
-        when ``on_error`` is "degrade" and the write failed (see the module docstring)."""
+        when ``on_error`` is "degrade" and the write failed (see the module docstring). The
+        listeners (``add_listener``) see each event that was written, after it was."""
         line = self._line(kind, fields)
         with self._lock:
             if self.ended:
                 raise RuntimeError(f"run {self.run_id} has ended")
-            return self._append(line)
+            ok = self._append(line)
+        if ok and self._listeners:
+            self._tell(json.loads(line))
+        return ok
+
+    def add_listener(self, fn: Any, name: str = "listener") -> None:
+        """Call ``fn(event)`` (the event as written: a dict) after each event is written, in
+        the writing thread (``toy.runs.report`` mirrors runs to TensorBoard and MLflow this way).
+        A listener that raises is dropped: the first failure is a warning (logger ``toy.runs``)
+        and a ``note`` event naming it; the run goes on."""
+        self._listeners.append((fn, name))
+
+    def _tell(self, rec: dict[str, Any]) -> None:
+        failed = []
+        for fn, name in list(self._listeners):
+            try:
+                fn(rec)
+            except Exception as e:  # noqa: BLE001 - a mirror must never stop the run
+                self._listeners.remove((fn, name))
+                failed.append(f"{name}: stopped mirroring this run ({type(e).__name__}: {e})")
+        for text in failed:  # after every listener has seen the event
+            log.warning("run %s: %s", self.run_id, text)
+            if not self.ended and rec.get("kind") != "run_end":
+                self.event("note", text=text)
 
     def _append(self, line: bytes) -> bool:
         if self._lost:  # back after a failure: say what is missing first, in the same write
