@@ -140,6 +140,26 @@ def _constraint(json_schema: Path | None, grammar: Path | None, regex: str | Non
     return Constraint.json_object() if json_mode else None
 
 
+def _model(model: str | None, fallback: str | None) -> str:
+    """MODEL as given, else the model of the project around the current
+    folder (toy.toml's ``model``), else ``fallback``, else an exit-2 error."""
+    if model is not None:
+        return model
+    with cli_errors():
+        from toy.project import current
+
+        project = current()
+    if project is not None and project.model is not None:
+        return project.model
+    if fallback is not None:
+        return fallback
+    raise CLIError(
+        "no model",
+        "pass MODEL (a GGUF path or a `toy list` name), or run inside a project whose toy.toml sets model",
+        2,
+    )
+
+
 def _load(model: str, device, threads, ctx, batch, flash_attn, kv_type, lora=None):
     import toy
 
@@ -241,7 +261,14 @@ def _read_prompt(prompt: str | None, prompt_opt: str | None, prompt_file: Path |
 
 
 def infer(
-    model: Annotated[str, typer.Argument(help=f"A GGUF path or a model name (e.g. {DEFAULT_MODEL}).")],
+    model: Annotated[
+        str | None,
+        typer.Argument(
+            help=f"A GGUF path or a model name (e.g. {DEFAULT_MODEL}); inside a project, default: its model "
+            "(toy.toml), with the prompt given by --prompt, --prompt-file or stdin.",
+            show_default=False,
+        ),
+    ] = None,
     prompt: Annotated[str | None, typer.Argument(help="The prompt (else --prompt, --prompt-file or stdin).")] = None,
     prompt_opt: Annotated[str | None, typer.Option("--prompt", "-p", help="The prompt.")] = None,
     prompt_file: Annotated[
@@ -314,6 +341,12 @@ def infer(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (ids, text, timings).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No timings on stderr.")] = False,
+    trace: Annotated[
+        Path | None,
+        typer.Option(
+            "--trace", metavar="FILE", help="After the reply, write a Chrome/Perfetto trace of one decode step here."
+        ),
+    ] = None,
 ) -> None:
     """Generate text from a prompt, streaming it to stdout (timings on stderr)."""
     params = _sampling(
@@ -352,7 +385,7 @@ def infer(
         if draft_model is not None:
             spec["model"] = draft_model
     adapters = parse_lora_options(lora)
-    m = _load(model, device, threads, ctx, batch, flash_attn, kv_type, adapters)
+    m = _load(_model(model, None), device, threads, ctx, batch, flash_attn, kv_type, adapters)
     try:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
         with cli_errors():
@@ -383,12 +416,25 @@ def infer(
             typer.echo(_timings_line(g), err=True)
         if flag["hit"]:
             raise typer.Exit(130)
+        if trace is not None:  # one more decode step, after the prompt and the reply, every node timed
+            from toy.trace import trace_decode
+
+            with cli_errors():
+                tr = trace_decode(m, [*ids, *g.tokens])
+                tr.write(trace)
+            typer.echo(f"trace: {trace} (one decode step, {tr.n_nodes} nodes)", err=True)
     finally:
         m.close()
 
 
 def chat_cmd(
-    model: Annotated[str, typer.Argument(help=f"A GGUF path or a model name (e.g. {DEFAULT_MODEL}).")] = DEFAULT_MODEL,
+    model: Annotated[
+        str | None,
+        typer.Argument(
+            help=f"A GGUF path or a model name (default: the project's model in toy.toml, else {DEFAULT_MODEL}).",
+            show_default=False,
+        ),
+    ] = None,
     system: System = None,
     special_in_content: RawSpecial = False,
     max_tokens: MaxTok = 512,
@@ -431,7 +477,7 @@ def chat_cmd(
         logprobs=None,
     )
     adapters = parse_lora_options(lora)
-    m = _load(model, device, threads, ctx, batch, flash_attn, kv_type, adapters)
+    m = _load(_model(model, DEFAULT_MODEL), device, threads, ctx, batch, flash_attn, kv_type, adapters)
     interactive = sys.stdin.isatty()
     try:
         session = m.chat(system=system, special_in_content=special_in_content)

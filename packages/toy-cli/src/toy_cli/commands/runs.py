@@ -1,4 +1,4 @@
-"""`toy runs`: list, show, compare and plot run bundles (``runs/<run_id>/``).
+"""`toy runs`: list, show, compare, plot and export run bundles (``runs/<run_id>/``).
 
 Conventions (docs/concepts/architecture.md): tables and ``--json`` documents on
 stdout; warnings on stderr. A malformed events line is a warning naming the
@@ -9,7 +9,8 @@ in the runs folder (``--runs-dir``, else $TOY_RUNS_DIR, else ./runs).
 
 The reading is ``toy.runs.reader`` (imported inside the commands so
 ``toy --help`` stays fast); plotting is ``toy.runs.plot`` and needs the
-``plot`` extra (matplotlib).
+``plot`` extra (matplotlib); exporting is ``toy.runs.report`` and needs the
+``tensorboard`` or ``mlflow`` extra.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import typer
 from toy_cli.ui import AsJson, CLIError, RunsDir, cli_errors
 
 runs_app = typer.Typer(
-    help="Read run bundles (runs/<run_id>/): list, show, compare and plot them.", no_args_is_help=True
+    help="Read run bundles (runs/<run_id>/): list, show, compare, plot and export them.", no_args_is_help=True
 )
 
 RunArgs = Annotated[list[str], typer.Argument(metavar="RUN...", help="Run folders, ids or unique id prefixes.")]
@@ -182,6 +183,50 @@ def _clip(text: Any) -> str:
     return json.dumps("" if text is None else str(text), ensure_ascii=False)[:160]
 
 
+#: the diagnostics event kinds (toy.train.diagnostics), in the order `show` lists them
+DIAG_KINDS = ("diag_grads", "diag_updates", "diag_drift", "diag_activations", "diag_nonfinite")
+
+
+def _diagnostics(run) -> dict[str, dict]:
+    """The last event of each diagnostics kind the run wrote."""
+    out = {}
+    for kind in DIAG_KINDS:
+        evs = run.of(kind)
+        if evs:
+            out[kind] = evs[-1]
+    return out
+
+
+def _per_block(vals: Any, spec: str) -> str:
+    """A per-block list on one line: the values, or their range and the largest block past 8 blocks."""
+    if not isinstance(vals, list) or not vals:
+        return "-"
+    nums = [v for v in vals if isinstance(v, (int, float))]
+    if len(vals) <= 8 or not nums:
+        return " ".join(_num(v, spec) for v in vals)
+    top = max(range(len(vals)), key=lambda i: vals[i] if isinstance(vals[i], (int, float)) else float("-inf"))
+    return f"{_num(min(nums), spec)} .. {_num(max(nums), spec)} (largest: block {top})"
+
+
+def _diag_lines(diag: dict[str, dict]) -> list[str]:
+    lines = ["", "diagnostics (last of each kind; per block in block order)"]
+    for kind, e in diag.items():
+        name, at = kind.removeprefix("diag_"), f"@{e.get('step')}"
+        if kind == "diag_grads":
+            kinds = ", ".join(f"{k} {_num(v, '.3g')}" for k, v in (e.get("kinds") or {}).items())
+            lines.append(f"  {name:<11} {at:>6}  norm total {_num(e.get('total'), '.3g')}; blocks ")
+            lines[-1] += f"{_per_block(e.get('layers'), '.3g')}; by kind {kinds}"
+        elif kind in ("diag_updates", "diag_drift"):
+            extra = f" from {e.get('reference')}, total {_num(e.get('total'), '.3g')};" if kind == "diag_drift" else ""
+            lines.append(f"  {name:<11} {at:>6} {extra} ratio per block {_per_block(e.get('layers'), '.3g')}")
+        elif kind == "diag_activations":
+            lines.append(f"  {name:<11} {at:>6}  rms {_per_block(e.get('rms'), '.3g')}")
+            lines.append(f"  {'':<11} {'':>6}  max|x| {_per_block(e.get('max_abs'), '.3g')}")
+        else:
+            lines.append(f"  {name:<11} {at:>6}  {e.get('source')}: {e.get('tensor') or '-'} (block {e.get('block')})")
+    return lines
+
+
 def _show_text(r, curves: dict, samples: list, checkpoints: list, requests: dict | None) -> None:
     from toy.runs.reader import flatten
 
@@ -231,6 +276,9 @@ def _show_text(r, curves: dict, samples: list, checkpoints: list, requests: dict
             path = str(e.get("path", "?"))
             gone = "" if (r.dir / path).exists() else "  (no longer on disk)"
             out.append(f"  step {_num(e.get('step'))}  {path}{gone}")
+    diag = _diagnostics(r)
+    if diag:
+        out += _diag_lines(diag)
     if requests:
         out += ["", "requests"]
         out.append(f"  {requests['count']} ({requests['ok']} ok, {requests['failed']} failed), ")
@@ -261,6 +309,7 @@ def show(
         doc["curves"] = {"loss": curves["loss"], "lr": curves["lr"], "val": curves["val"]}
         doc.update(evals=r.of("eval"), samples=picked, checkpoints=checkpoints, requests=requests)
         doc["notes"] = r.of("note")
+        doc["diagnostics"] = _diagnostics(r)
         typer.echo(json.dumps(doc, indent=2, ensure_ascii=False))
         return
     _show_text(r, curves, picked, checkpoints, requests)
@@ -314,18 +363,83 @@ def plot_cmd(
     out: Annotated[Path, typer.Option("--out", "-o", help="The image to write (.png, .svg or .pdf).")],
     title: Annotated[str | None, typer.Option("--title", help="The figure's title.")] = None,
     log_loss: Annotated[bool, typer.Option("--log", help="Logarithmic loss axis.")] = False,
+    diagnostics: Annotated[
+        bool,
+        typer.Option(
+            "--diagnostics",
+            help="Plot one run's training diagnostics (gradient norms, update ratios, drift, activation RMS "
+            "per block) instead of its loss.",
+        ),
+    ] = False,
     as_json: AsJson = False,
     runs_dir: RunsDir = None,
 ) -> None:
     """Plot loss (training lines, validation markers) and learning rate of runs to an image (needs matplotlib: the plot extra)."""
+    if diagnostics and len(runs) != 1:
+        raise CLIError("--diagnostics plots one run", "toy runs plot RUN --diagnostics -o diag.png", 2)
     loaded = _load(runs, runs_dir)
     with cli_errors():
-        from toy.runs.plot import plot_runs
+        from toy.runs.plot import plot_diagnostics, plot_runs
 
-        info = plot_runs(loaded, out, title=title, log_loss=log_loss)
+        if diagnostics:
+            info = plot_diagnostics(loaded[0], out, title=title)
+            info["skipped"] = []
+        else:
+            info = plot_runs(loaded, out, title=title, log_loss=log_loss)
     for rid in info["skipped"]:
         typer.echo(f"note: run {rid} has no step or eval events: not drawn", err=True)
     typer.echo(json.dumps(info, indent=2) if as_json else str(out))
+
+
+# -- toy runs export
+
+
+@runs_app.command("export")
+def export_cmd(
+    runs: RunArgs,
+    to: Annotated[str, typer.Option("--to", metavar="LIST", help="tensorboard, mlflow or both (comma-separated).")],
+    tensorboard_dir: Annotated[
+        Path | None,
+        typer.Option("--tensorboard-dir", help="Write each run to DIR/<run id> (default: <run folder>/tensorboard)."),
+    ] = None,
+    mlflow_uri: Annotated[
+        str | None,
+        typer.Option("--mlflow-uri", help="The MLflow tracking URI (default: sqlite:///<runs folder>/mlflow.db)."),
+    ] = None,
+    experiment: Annotated[str, typer.Option("--experiment", help="The MLflow experiment.")] = "toy",
+    replace: Annotated[
+        bool, typer.Option("--replace", help="Write a run again that was exported (or mirrored) before.")
+    ] = False,
+    as_json: AsJson = False,
+    runs_dir: RunsDir = None,
+) -> None:
+    """Write finished (or running) runs to TensorBoard event files or MLflow, as --report-to does live (needs the tensorboard or mlflow extra)."""
+    backends = [b.strip() for b in to.split(",") if b.strip()]
+    if not backends or len(set(backends)) != len(backends) or any(b not in ("tensorboard", "mlflow") for b in backends):
+        raise CLIError(f"--to {to!r}: tensorboard, mlflow or both, once each", "e.g. --to tensorboard,mlflow", 2)
+    loaded = _load(runs, runs_dir)
+    done = []
+    with cli_errors():
+        from toy.runs.report import check_available, export_run
+
+        check_available(backends)
+        for r in loaded:
+            done.append(
+                export_run(
+                    r.dir,
+                    backends,
+                    tensorboard_dir=tensorboard_dir,
+                    mlflow_uri=mlflow_uri,
+                    mlflow_experiment=experiment,
+                    replace=replace,
+                )
+            )
+    if as_json:
+        typer.echo(json.dumps(done, indent=2))
+        return
+    for d in done:
+        where = ", ".join(f"{b} {d[b]}" for b in backends)
+        typer.echo(f"{d['run']}: {d['events']} events -> {where}")
 
 
 def register(app: typer.Typer) -> None:

@@ -112,6 +112,10 @@ def from_scratch(
         str | None, typer.Option("--schedule", help="constant, linear, cosine or wsd.", rich_help_panel=_O)
     ] = None,
     warmup: Annotated[int | None, typer.Option("--warmup", rich_help_panel=_O)] = None,
+    diagnostics: Diagnostics = None,
+    diagnostics_every: DiagEvery = None,
+    report_to: ReportTo = None,
+    trace: Trace = None,
     quiet: Quiet = False,
     as_json: JsonSummary = False,
 ) -> None:
@@ -119,7 +123,8 @@ def from_scratch(
     with cli_errors():
         from toy.train import config as C
 
-        cfg = C.load_toml(config) if config else C.TrainConfig()
+        under = _project("from-scratch")
+        cfg = C.load_toml(config, under=under) if config else C.defaults(under=under)
         cfg = C.override(
             cfg,
             **{
@@ -146,6 +151,7 @@ def from_scratch(
                 "optim.lr": lr,
                 "optim.schedule": schedule,
                 "optim.warmup": warmup,
+                **_inspect(diagnostics, diagnostics_every, report_to, trace),
             },
         )
     from toy.train.lmrun import train
@@ -159,7 +165,12 @@ _F = "Fine-tuning"
 Paths = Annotated[
     list[Path] | None, typer.Argument(help='JSONL examples: {"text"}, {"prompt","completion"} or {"messages"}.')
 ]
-Base = Annotated[str | None, typer.Option("--model", "-m", help="The base GGUF (a path or a `toy list` name).")]
+Base = Annotated[
+    str | None,
+    typer.Option(
+        "--model", "-m", help="The base GGUF (a path or a `toy list` name; default: the project's model in toy.toml)."
+    ),
+]
 Config = Annotated[Path | None, typer.Option("--config", "-c", help="A TOML config file.")]
 MaxLen = Annotated[
     int | None,
@@ -180,6 +191,30 @@ Schedule = Annotated[
     str | None, typer.Option("--schedule", help="constant, linear, cosine or wsd.", rich_help_panel=_O)
 ]
 Warmup = Annotated[int | None, typer.Option("--warmup", rich_help_panel=_O)]
+_L = "Looking inside"
+Diagnostics = Annotated[
+    str | None,
+    typer.Option(
+        "--diagnostics",
+        help="Per-layer diagnostics, comma-separated: grads, updates, drift, activations, nonfinite, or all.",
+        rich_help_panel=_L,
+    ),
+]
+DiagEvery = Annotated[
+    int | None, typer.Option("--diagnostics-every", help="Steps between diagnostics (default 10).", rich_help_panel=_L)
+]
+ReportTo = Annotated[
+    str | None,
+    typer.Option(
+        "--report-to", help="Mirror the run's events live: tensorboard, mlflow (comma-separated).", rich_help_panel=_L
+    ),
+]
+Trace = Annotated[
+    Path | None,
+    typer.Option(
+        "--trace", help="Write a Chrome/Perfetto trace of one training step to this file.", rich_help_panel=_L
+    ),
+]
 
 
 def _list(text: str | None, what: str) -> list[str] | None:
@@ -191,11 +226,32 @@ def _list(text: str | None, what: str) -> list[str] | None:
     return items
 
 
+def _inspect(diagnostics: str | None, every: int | None, report_to: str | None, trace: Path | None) -> dict:
+    """The config keys of the "Looking inside" flags every recipe shares."""
+    return {
+        "diagnostics.kinds": _list(diagnostics, "--diagnostics"),
+        "diagnostics.every": every,
+        "report.to": _list(report_to, "--report-to"),
+        "trace": str(trace) if trace else None,
+    }
+
+
+def _project(recipe: str) -> dict:
+    """The training defaults of the project around the current folder
+    (toy.toml: seed, device, threads; lora and full: the base model), which a
+    config file and the flags override."""
+    from toy.project import current
+
+    project = current()
+    return project.train_defaults(recipe) if project is not None else {}
+
+
 def _finetune(recipe: str, config: Path | None, values: dict, quiet: bool, as_json: bool) -> None:
     with cli_errors():
         from toy.train import config as C
 
-        cfg = C.load_toml(config, recipe=recipe) if config else C.defaults(recipe)
+        under = _project(recipe)
+        cfg = C.load_toml(config, recipe=recipe, under=under) if config else C.defaults(recipe, under)
         cfg = C.override(cfg, **values)
     from toy.train.lmrun import train
 
@@ -262,6 +318,10 @@ def lora_cmd(
     lr: Lr = None,
     schedule: Schedule = None,
     warmup: Warmup = None,
+    diagnostics: Diagnostics = None,
+    diagnostics_every: DiagEvery = None,
+    report_to: ReportTo = None,
+    trace: Trace = None,
     quiet: Quiet = False,
     as_json: JsonSummary = False,
 ) -> None:
@@ -270,6 +330,7 @@ def lora_cmd(
                      save_every, out, device, threads, lr, schedule, warmup)  # fmt: skip
     values.update({"lora.targets": _list(targets, "--targets"), "lora.rank": rank, "lora.alpha": alpha,
                    "lora.dropout": dropout, "lora.rslora": rslora})  # fmt: skip
+    values.update(_inspect(diagnostics, diagnostics_every, report_to, trace))
     _finetune("lora", config, values, quiet, as_json)
 
 
@@ -299,6 +360,10 @@ def full_cmd(
     lr: Lr = None,
     schedule: Schedule = None,
     warmup: Warmup = None,
+    diagnostics: Diagnostics = None,
+    diagnostics_every: DiagEvery = None,
+    report_to: ReportTo = None,
+    trace: Trace = None,
     quiet: Quiet = False,
     as_json: JsonSummary = False,
 ) -> None:
@@ -306,6 +371,7 @@ def full_cmd(
     values = _common(paths, model, max_length, overflow, steps, batch_size, context, grad_accum, seed, eval_every,
                      save_every, out, device, threads, lr, schedule, warmup)  # fmt: skip
     values["freeze"] = _list(freeze, "--freeze")
+    values.update(_inspect(diagnostics, diagnostics_every, report_to, trace))
     _finetune("full", config, values, quiet, as_json)
 
 
@@ -348,6 +414,10 @@ def warm_start_cmd(
     lr: Lr = None,
     schedule: Schedule = None,
     warmup: Warmup = None,
+    diagnostics: Diagnostics = None,
+    diagnostics_every: DiagEvery = None,
+    report_to: ReportTo = None,
+    trace: Trace = None,
     quiet: Quiet = False,
     as_json: JsonSummary = False,
 ) -> None:
@@ -362,6 +432,7 @@ def warm_start_cmd(
     values.update({"model.arch": arch, "model.preset": preset, "model.d_model": d_model, "model.n_layer": n_layer, "model.n_head": n_head,
                    "model.n_head_kv": n_head_kv, "model.d_ff": d_ff, "warm_start.layers": layer_ids,
                    "warm_start.project": project})  # fmt: skip
+    values.update(_inspect(diagnostics, diagnostics_every, report_to, trace))
     _finetune("warm-start", config, values, quiet, as_json)
 
 

@@ -181,6 +181,7 @@ class LLMEngine:
         self._graph_adapters: tuple[int, ...] = ()  # the adapters the graph being built computes (_use_adapters)
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.stats = EngineStats()
+        self._profile: list | None = None  # (graph, node times) of each compute while toy.trace profiles
 
     # ------------------------------------------------------------------ adapters
 
@@ -499,7 +500,10 @@ class LLMEngine:
                 f[f"lsel{j}"].set((chosen == j).astype(np.float32).reshape(-1, 1))
                 if f"lsel{j}.out" in f:
                     f[f"lsel{j}.out"].set((chosen[out_idx] == j).astype(np.float32).reshape(-1, 1))
-        self.runtime.compute(g.graph)
+        if self._profile is None:
+            self.runtime.compute(g.graph)
+        else:  # toy.trace.trace_decode_step: every node timed, the same kernels
+            self._profile.append((g.graph, self.runtime.compute(g.graph, profile=True)))
         g.uses += 1
         self.stats.computes += 1
         return g.out.numpy()

@@ -18,6 +18,16 @@ drawn (curve counts per axis, runs skipped for having no curves); the file
 format follows the suffix (.png, .svg or .pdf).
 
 Missing values (non-finite losses were written as null) are gaps in a line.
+
+``plot_diagnostics(run, out_path)`` draws one run's training diagnostics
+(``toy.train.diagnostics``'s ``diag_*`` events), one axis per kind the run
+wrote, each with one line per block over the steps: gradient norm
+(``diag_grads``), update ratio (``diag_updates``), drift from the starting
+weights (``diag_drift``), all on log axes, and the residual stream's RMS
+(``diag_activations``); a ``diag_nonfinite`` event is a vertical line on
+every axis. Blocks are coloured along one colour map (block 0 lightest),
+so a figure of a deep model stays readable; past 12 blocks the legend lists
+the first, middle and last.
 """
 
 from __future__ import annotations
@@ -101,6 +111,95 @@ def build_figure(
     return fig, info
 
 
+#: the diagnostics axes: (event kind, field, axis label, log scale)
+DIAG_AXES = (
+    ("diag_grads", "layers", "gradient norm", True),
+    ("diag_updates", "layers", "update / weight", True),
+    ("diag_drift", "layers", "drift from start", True),
+    ("diag_activations", "rms", "activation RMS", False),
+)
+
+
+def build_diagnostics_figure(
+    run: Run, *, title: str | None = None, size: tuple[float, float] = (9.0, 8.0)
+) -> tuple[Any, dict[str, Any]]:
+    """The diagnostics figure of ``run`` and a dict of what is on it:
+    ``{"axes": [event kinds drawn], "blocks": n, "nonfinite": [steps]}``."""
+    matplotlib, Figure, FigureCanvasAgg = _matplotlib()
+    present = [a for a in DIAG_AXES if run.of(a[0])]
+    if not present:
+        raise BadInputError(
+            f"nothing to plot: run {run.id} has no diagnostics events",
+            hint="train with --diagnostics all (or a list: grads,updates,drift,activations)",
+        )
+    fig = Figure(figsize=size, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(present), 1, sharex=True, squeeze=False)[:, 0]
+    bad = [e.get("step") for e in run.of("diag_nonfinite") if isinstance(e.get("step"), int)]
+    cmap = matplotlib.colormaps["viridis"]
+    n_blocks = 0
+    for ax, (kind, key, label, log) in zip(axes, present):
+        evs = [e for e in run.of(kind) if isinstance(e.get("step"), int) and isinstance(e.get(key), list)]
+        n = max((len(e[key]) for e in evs), default=0)
+        n_blocks = max(n_blocks, n)
+        shown = set(range(n)) if n <= 12 else {0, n // 2, n - 1}
+        for b in range(n):
+            pts = [(e["step"], e[key][b] if b < len(e[key]) else None) for e in evs]
+            color = cmap(0.9 - 0.8 * b / max(1, n - 1))
+            ax.plot(*_xy(pts), color=color, linewidth=1.2, marker="." if len(pts) < 30 else None,
+                    label=f"block {b}" if b in shown else None)  # fmt: skip
+        for s in bad:
+            ax.axvline(s, color="red", linestyle="--", linewidth=1)
+        ax.set_ylabel(label)
+        if log:
+            ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize="small", loc="best", ncol=2 if n_blocks > 6 else 1)
+    axes[-1].set_xlabel("step")
+    fig.suptitle(title or f"run {run.id}: diagnostics")
+    return fig, {"axes": [a[0] for a in present], "blocks": n_blocks, "nonfinite": bad}
+
+
+def _save(fig: Any, out_path: str | os.PathLike[str], size: tuple[float, float], dpi: int) -> dict[str, Any]:
+    out = Path(out_path)
+    fmt = out.suffix.lower()
+    # write beside the target, then rename: a reader never sees half an image
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    try:
+        fig.savefig(tmp, format=fmt[1:], dpi=dpi)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    info: dict[str, Any] = {"path": str(out), "format": fmt[1:]}
+    if fmt == ".png":
+        info["pixels"] = [round(size[0] * dpi), round(size[1] * dpi)]
+    return info
+
+
+def _check_out(out: Path) -> None:
+    if out.suffix.lower() not in FORMATS:
+        raise BadInputError(f"{out}: unknown image type {out.suffix or '(none)'!r}", hint="name a .png, .svg or .pdf")
+    if not out.parent.is_dir():
+        raise BadInputError(f"{out.parent}: no such folder", hint="create it first or write elsewhere")
+
+
+def plot_diagnostics(
+    run: Run,
+    out_path: str | os.PathLike[str],
+    *,
+    title: str | None = None,
+    size: tuple[float, float] = (9.0, 8.0),
+    dpi: int = 100,
+) -> dict[str, Any]:
+    """Draw ``run``'s diagnostics (see the module doc) into ``out_path``;
+    returns ``build_diagnostics_figure``'s dict plus ``path``, ``format``
+    and ``pixels`` (raster output)."""
+    _check_out(Path(out_path))
+    fig, info = build_diagnostics_figure(run, title=title, size=size)
+    info.update(_save(fig, out_path, size, dpi))
+    return info
+
+
 def plot_runs(
     runs: list[Run],
     out_path: str | os.PathLike[str],
@@ -135,4 +234,13 @@ def plot_runs(
     return info
 
 
-__all__ = ["FORMATS", "install_hint", "PlotUnavailableError", "build_figure", "plot_runs"]
+__all__ = [
+    "DIAG_AXES",
+    "FORMATS",
+    "PlotUnavailableError",
+    "build_diagnostics_figure",
+    "build_figure",
+    "install_hint",
+    "plot_diagnostics",
+    "plot_runs",
+]

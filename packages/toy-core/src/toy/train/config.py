@@ -135,6 +135,26 @@ class TokenizerConfig:
     vocab_size: int = 1024  # else train a byte-level BPE of this size on the corpus
 
 
+#: what ``diagnostics.kinds`` can name (``toy.train.diagnostics``; "all": every one)
+DIAGNOSTICS = ("grads", "updates", "drift", "activations", "nonfinite")
+#: where ``report.to`` can mirror a run's events (``toy.runs.report``)
+REPORT_TO = ("tensorboard", "mlflow")
+
+
+@dataclass
+class DiagnosticsConfig:
+    kinds: list[str] = field(default_factory=list)  # of DIAGNOSTICS (or ["all"]); empty: off
+    every: int = 10  # a diagnostics event every this many steps
+
+
+@dataclass
+class ReportConfig:
+    to: list[str] = field(default_factory=list)  # of REPORT_TO; empty: events.jsonl only
+    tensorboard_dir: str | None = None  # default: <run folder>/tensorboard
+    mlflow_uri: str | None = None  # default: a SQLite store, <runs folder>/mlflow.db (toy.runs.report)
+    mlflow_experiment: str = "toy"
+
+
 @dataclass
 class TrainConfig:
     recipe: str = "from-scratch"  # one of RECIPES
@@ -160,7 +180,11 @@ class TrainConfig:
     sample_tokens: int = 32
     device: str | None = None  # None: $TOY_DEVICE, else the CPU
     threads: int | None = None  # default: physical cores
-    out: str | None = None  # runs folder (default: $TOY_RUNS_DIR or ./runs)
+    out: str | None = None  # runs folder (default: $TOY_RUNS_DIR, else the project's (toy.toml), else ./runs)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
+    trace: str | None = None  # a Chrome/Perfetto trace of step ``trace_step`` is written to this file
+    trace_step: int = 2  # the step traced (the first one also builds and allocates its graphs)
 
 
 def _check_type(key: str, value: Any, hint: Any) -> Any:
@@ -233,18 +257,21 @@ def from_dict(data: dict[str, Any]) -> TrainConfig:
     return validate(_build(TrainConfig, data))
 
 
-def defaults(recipe: str = "from-scratch") -> TrainConfig:
-    """The default config of a recipe (``RECIPE_DEFAULTS`` over the dataclass defaults)."""
+def defaults(recipe: str = "from-scratch", under: dict[str, Any] | None = None) -> TrainConfig:
+    """The default config of a recipe (``RECIPE_DEFAULTS`` over the dataclass
+    defaults, then ``under``: nested values such as a project's, see
+    ``toy.project.Project.train_defaults``)."""
     if recipe not in RECIPES:
         raise ConfigError(f"recipe {recipe!r} is not one of {', '.join(RECIPES)}")
     # not validated: a fine-tuning recipe's base comes later (``override`` validates)
-    return _build(TrainConfig, _merge({"recipe": recipe}, RECIPE_DEFAULTS.get(recipe, {})))
+    return _build(TrainConfig, _merge(_merge({"recipe": recipe}, RECIPE_DEFAULTS.get(recipe, {})), under or {}))
 
 
-def load_toml(path: str | Path, recipe: str | None = None) -> TrainConfig:
+def load_toml(path: str | Path, recipe: str | None = None, under: dict[str, Any] | None = None) -> TrainConfig:
     """A config file over the defaults of ``recipe`` (default: the file's
-    ``recipe`` key, else from-scratch); a file naming another recipe is an
-    error."""
+    ``recipe`` key, else from-scratch) and ``under`` (nested values between
+    the defaults and the file: a project's); a file naming another recipe is
+    an error."""
     p = Path(path)
     try:
         regular_file(p)  # a FIFO would block the read, /dev/zero never ends
@@ -262,7 +289,7 @@ def load_toml(path: str | Path, recipe: str | None = None) -> TrainConfig:
     r = recipe or named or "from-scratch"
     if not isinstance(r, str) or r not in RECIPES:
         raise ConfigError(f"{p}: recipe {r!r} is not one of {', '.join(RECIPES)}")
-    base = _merge({"recipe": r}, RECIPE_DEFAULTS.get(r, {}))
+    base = _merge(_merge({"recipe": r}, RECIPE_DEFAULTS.get(r, {})), under or {})
     cfg = _build(TrainConfig, _merge(base, data))
     # a fine-tuning file may leave ``base`` to the command line: ``override``
     # and ``train`` validate the final config
@@ -356,6 +383,16 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             cfg.warm_start.project in ("pca", "truncate"),
             f'warm_start.project={cfg.warm_start.project!r}: "pca" or "truncate"',
         ),
+        (
+            all(k in DIAGNOSTICS or k == "all" for k in cfg.diagnostics.kinds),
+            f"diagnostics.kinds {cfg.diagnostics.kinds!r}: each is one of {', '.join(DIAGNOSTICS)} (or all)",
+        ),
+        (cfg.diagnostics.every >= 1, f"diagnostics.every={cfg.diagnostics.every} must be >= 1"),
+        (
+            all(t in REPORT_TO for t in cfg.report.to) and len(set(cfg.report.to)) == len(cfg.report.to),
+            f"report.to {cfg.report.to!r}: each is one of {', '.join(REPORT_TO)}, once",
+        ),
+        (cfg.trace_step >= 1, f"trace_step={cfg.trace_step} must be >= 1"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -373,9 +410,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 
 __all__ = [
+    "DIAGNOSTICS",
     "RECIPES",
+    "REPORT_TO",
     "ConfigError",
     "DataConfig",
+    "DiagnosticsConfig",
+    "ReportConfig",
     "LoraConfig",
     "WarmStartConfig",
     "ModelShape",

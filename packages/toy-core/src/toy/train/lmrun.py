@@ -83,13 +83,14 @@ import toy_ggml
 from toy import store
 from toy.errors import BadInputError, ToyError
 from toy.gguf import GGUFFile
-from toy.runs import RunWriter, runs_dir
+from toy.runs import RunWriter, report, runs_dir
 from toy.runs.folder import RunLock, check_output_dir
 from toy.tokenizer import Tokenizer
 from toy.train import checkpoint, recipes
 from toy.train import data as D
 from toy.train.bpe import METADATA_TYPES, train_bpe
 from toy.train.config import TrainConfig, from_dict, to_dict, validate
+from toy.train.diagnostics import Diagnostics
 from toy.train.model import ArchTrain, init_params, model_config
 from toy.train.stepgraph import TrainEngine
 from toy.train.steploop import (
@@ -192,12 +193,14 @@ class _Run(StepRun):
         self.stream = D.BatchStream(self.data, cfg.batch_size, cfg.seed, state=st.get("data"))
         self.seen = int(st.get("tokens_seen", 0))  # tokens
         self.val = D.validation_batches(self.data, cfg.batch_size, cfg.eval_batches or None) if self.data.n_val else []
+        self.diagnostics = self._diagnostics(cfg, params, ckpt)
         self.n_params = int(sum(int(np.prod(s.shape)) for s in self.engine.specs))
         self.tok_source = tok_source
         try:
             if ckpt:
                 assert resume_from is not None  # a checkpoint comes with the run folder it resumes
                 self.writer = RunWriter.reopen(resume_from)
+                report.attach(self.writer, cfg.report, resume=True)  # TensorBoard/MLflow: toy.runs.report
                 self.writer.event("resume", from_step=ckpt.step, checkpoint=ckpt.model_path.name)
             else:
                 self.writer = RunWriter(
@@ -211,6 +214,7 @@ class _Run(StepRun):
                     tokenizer=tok_source,
                 )
                 self.lock = RunLock(self.writer.dir)
+                report.attach(self.writer, cfg.report)
             for text in [*(notes or []), *(self.setup.notes if self.setup else [])]:
                 self.writer.event("note", text=text)
                 if hooks.note:
@@ -274,6 +278,28 @@ class _Run(StepRun):
             "unigram_nats": D.unigram_entropy(self.cache.tokens, self.tokenizer.vocab_size),
         }
         return ArchTrain(self.model_cfg), params, info, tok_source, extra
+
+    def _diagnostics(self, cfg: TrainConfig, start, ckpt) -> Diagnostics | None:
+        """The run's ``toy.train.diagnostics`` (None: none asked for). Drift's
+        reference is the run's starting weights: a from-scratch run's seeded
+        initial weights (made again on a resume), a full fine-tune's base
+        weights, a LoRA run's initial adapters, a warm start's warm-started
+        weights (on a resume: the resumed checkpoint's, labelled "resumed").
+        The probe batch of ``activations`` is the first validation batch
+        (no validation split: the first training batch of the seed's order)."""
+        d = cfg.diagnostics
+        if not d.kinds:
+            return None
+        label = {"full": "base", "lora": "initial adapters"}.get(cfg.recipe, "initial")
+        ref = start
+        # a resumed text run: its checkpoint holds where the run is, not where it began
+        if ckpt is not None and self.setup is None:
+            if cfg.recipe == "from-scratch":
+                ref = init_params(self.model_cfg, cfg.seed)
+            else:
+                label = "resumed"
+        probe = self.val[0] if self.val else self.stream_peek()
+        return Diagnostics(d.kinds, d.every, self.engine, reference=ref, reference_label=label, probe=probe)
 
     # -------------------------------------------------------------- pieces
 
@@ -344,6 +370,7 @@ def train(cfg: TrainConfig, hooks: Hooks | None = None) -> RunResult:
     are recorded absolute, so ``resume`` works from any folder."""
     cfg = validate(cfg)
     check_output_dir(runs_dir(cfg.out), "runs folder (out)")  # before the tokenizer is trained
+    report.check_available(cfg.report.to)  # a missing extra stops the run before its folder exists
     data = dataclasses.replace(cfg.data, paths=[str(Path(p).expanduser().absolute()) for p in cfg.data.paths])
     return _Run(dataclasses.replace(cfg, data=data), hooks or Hooks()).run()
 

@@ -127,7 +127,7 @@ class LoraTrain:
     def param_specs(self) -> list[ParamSpec]:
         return [ParamSpec(n, s, "matrix") for n, s in self.shapes.items()]
 
-    def logits(self, ctx, params: Mapping[str, toy_ggml.Tensor], inputs: BatchInputs, training: bool = True):
+    def logits(self, ctx, params: Mapping[str, toy_ggml.Tensor], inputs: BatchInputs, training: bool = True, taps=None):
         s = self.settings
         known = targets_of(self.cfg)
         lora: dict[str, list] = {}
@@ -138,7 +138,16 @@ class LoraTrain:
                 drop = self._masks.get((i, known[t].site)) if training else None
                 lora[w] = [(params[f"{w}.lora_a"], params[f"{w}.lora_b"], s.scale, drop)]
         return forward_batch(
-            ctx, self.cfg, self.base, inputs.tokens, inputs.pos, inputs.masks, inputs.batch, keep=inputs.keep, lora=lora
+            ctx,
+            self.cfg,
+            self.base,
+            inputs.tokens,
+            inputs.pos,
+            inputs.masks,
+            inputs.batch,
+            keep=inputs.keep,
+            lora=lora,
+            taps=taps,
         )
 
     def before_compute(self, step: int, micro: int) -> None:

@@ -49,11 +49,13 @@ class ArchTrain:
         return [ParamSpec(n, p.shape, p.kind) for n, p in self.arch.params(self.cfg).items() if n not in self.frozen]
 
     def logits(
-        self, ctx, params: Mapping[str, toy_ggml.Tensor], inputs: BatchInputs, training: bool = True
+        self, ctx, params: Mapping[str, toy_ggml.Tensor], inputs: BatchInputs, training: bool = True, taps=None
     ) -> toy_ggml.Tensor:
+        """``taps`` (optional list): receives the residual stream after each
+        block, (N, d) (the diagnostics' activation statistics)."""
         weights = {**self.frozen, **params} if self.frozen else params
         return forward_batch(
-            ctx, self.cfg, weights, inputs.tokens, inputs.pos, inputs.masks, inputs.batch, keep=inputs.keep
+            ctx, self.cfg, weights, inputs.tokens, inputs.pos, inputs.masks, inputs.batch, keep=inputs.keep, taps=taps
         )
 
 

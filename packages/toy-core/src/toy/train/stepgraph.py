@@ -54,6 +54,7 @@ nodes; accumulators (only with accumulation) add 1x.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -203,6 +204,11 @@ class _Graph:
     def __init__(self, ops: toy_ggml.Context, graph: toy_ggml.Graph, loss, loss_seed, norm=None):
         self.ops, self.graph, self.loss, self.loss_seed, self.norm = ops, graph, loss, loss_seed, norm
         self.grads: dict[str, toy_ggml.Tensor] = {}
+        # outputs the diagnostics read (toy.train.diagnostics): per-tensor gradient sums of squares and the
+        # parameters' sums of squares before the update (single/last), the residual stream after each block
+        self.grad_sq: dict[str, toy_ggml.Tensor] = {}
+        self.param_sq: dict[str, toy_ggml.Tensor] = {}
+        self.taps: list[toy_ggml.Tensor] = []
 
 
 class TrainEngine:
@@ -240,6 +246,10 @@ class TrainEngine:
         self._label_cols = np.zeros(n, np.int64)
         self._labels_dense = False  # whether the host labels hold smoothed rows
         self._profile: list[tuple[str, str, float]] | None = None  # node times while profile_step runs
+        # whether the model's logits take ``taps`` (the language models; not toy-vit's classifier)
+        self.supports_taps = "taps" in inspect.signature(model.logits).parameters
+        self._last: _Graph | None = None  # the graph that took the last optimizer step
+        self.watch = False  # the step graphs keep what the diagnostics read (``watch_steps``)
 
         # parameters, moments, accumulators and inputs: one allocated context
         n_state = len(self.specs) * (4 if accum > 1 else 3)
@@ -294,7 +304,23 @@ class TrainEngine:
     def _build(self, kind: str) -> _Graph:
         cap = self._graph_capacity()
         ops = self._ops_context(max_tensors=cap * 8, graph_size=cap * 8)
-        logits = self.model.logits(ops, self.params, self.inputs, training=kind != "eval")
+        # the residual stream after each block: read by activation statistics ("taps": the blocks only,
+        # no head) and by the divergence diagnosis (single, last); kept as outputs (buffers not reused)
+        watched = self.watch and kind in ("single", "last")
+        taps: list[toy_ggml.Tensor] | None = [] if self.supports_taps and (kind == "taps" or watched) else None
+        training = kind not in ("eval", "taps")
+        if taps is None:
+            logits = self.model.logits(ops, self.params, self.inputs, training=training)
+        else:
+            with_taps: Any = self.model.logits  # TrainModel.logits's optional ``taps`` (supports_taps)
+            logits = with_taps(ops, self.params, self.inputs, training=training, taps=taps)
+            taps = [t.set_output() for t in taps]
+        if kind == "taps":
+            assert taps  # a model with taps has blocks
+            g = toy_ggml.Graph(ops, size=cap * 4).build_forward(*taps)
+            out = _Graph(ops, g, taps[-1], None)
+            out.taps = taps
+            return out
         ce = ops.cross_entropy_loss(logits, self._labels)
         if kind == "eval":
             loss = ops.mul(ce, self._loss_scale).set_output()
@@ -302,7 +328,7 @@ class TrainEngine:
             return _Graph(ops, g, loss, None)
         loss = ops.mul(ce, self._loss_scale).set_loss().set_output()
         g = toy_ggml.Graph(ops, size=cap * 8, grads=True)
-        g.build_forward(loss)
+        g.build_forward(loss, *(taps or []))
         g.build_backward()
         seed = g.grad(loss)
         assert seed is not None  # build_backward gives the loss its gradient
@@ -329,10 +355,20 @@ class TrainEngine:
             if kind == "last":
                 grads = {k: ops.add(self._acc[k], v) for k, v in grads.items()}
             sq = None
+            grad_sq, param_sq = {}, {}
             for s in self.specs:
                 t = ops.sum_sqr(grads[s.name])  # sum(sqr(g)) bit for bit, one threaded pass (patch 0017)
+                grad_sq[s.name] = t.set_output()  # per-tensor gradient norms for the diagnostics, at no extra cost
                 sq = t if sq is None else ops.add(sq, t)
+                if watched:
+                    # the parameter before this step's update (these nodes come before the AdamW nodes): names
+                    # a parameter that holds NaN/Inf when the step diverges (AdamW then spreads NaN to every
+                    # tensor); a pass over the weights, so only while diagnostics watch the steps
+                    param_sq[s.name] = ops.sum_sqr(self.params[s.name]).set_output()
+                    param_sq[s.name].name = f"param_sumsq.{s.name}"
             assert sq is not None  # a model has parameters
+            if param_sq:
+                g.build_forward(*param_sq.values())
             norm = ops.sqrt(sq).set_output()
             outs.append(norm)
             factor = None
@@ -347,7 +383,10 @@ class TrainEngine:
                     )
                 )
         g.build_forward(*outs)
-        return _Graph(ops, g, loss, seed, norm)
+        out = _Graph(ops, g, loss, seed, norm)
+        if kind in ("single", "last"):
+            out.grad_sq, out.param_sq, out.taps = grad_sq, param_sq, taps or []
+        return out
 
     def _get(self, kind: str) -> _Graph:
         g = self._graphs.get(kind)
@@ -424,6 +463,7 @@ class TrainEngine:
             self._before(i)
             total += self._run(g)
         norm = float(g.norm.numpy().reshape(-1)[0])
+        self._last = g
         self.step += 1
         return StepResult(loss=total, grad_norm=norm, lr=lr, n_targets=n_targets)
 
@@ -462,6 +502,60 @@ class TrainEngine:
             for name, t in g.grads.items():
                 grads[name] = grads.get(name, 0.0) + t.numpy().astype(np.float64)
         return total, grads
+
+    # ------------------------------------------------------------------ diagnostics
+
+    def watch_steps(self) -> None:
+        """Make the step graphs keep what ``toy.train.diagnostics`` reads:
+        each block's output of the last micro-batch (``step_taps``) and each
+        parameter's sum of squares before the update
+        (``param_sumsq_before``: one more pass over the weights per step,
+        so it is off unless a run asks for diagnostics). Graphs built
+        before are dropped and built again; the arithmetic is unchanged."""
+        if self.watch:
+            return
+        self.watch = True
+        for kind in ("single", "last"):
+            g = self._graphs.pop(kind, None)
+            if g is not None:
+                g.ops.close()
+        self._last = None
+
+    def grad_sumsq(self) -> dict[str, float]:
+        """Per-tensor sum of squares of the last optimizer step's gradients
+        (all micro-batches, before clipping): the terms of ``grad_norm``."""
+        g = self._last
+        if g is None:
+            raise RuntimeError("grad_sumsq: no step taken yet")
+        return {k: float(t.numpy().reshape(-1)[0]) for k, t in g.grad_sq.items()}
+
+    def param_sumsq_before(self) -> dict[str, float]:
+        """Per-tensor sum of squares of the parameters as they were before
+        the last optimizer step's update (non-finite: the tensor held NaN/Inf);
+        empty unless ``watch_steps`` was called."""
+        g = self._last
+        if g is None:
+            raise RuntimeError("param_sumsq_before: no step taken yet")
+        return {k: float(t.numpy().reshape(-1)[0]) for k, t in g.param_sq.items()}
+
+    def step_taps(self) -> list[np.ndarray]:
+        """The residual stream after each block, (N, d) per block, of the
+        last step's last micro-batch (empty when the model has no taps, or
+        unless ``watch_steps`` was called)."""
+        g = self._last
+        return [t.numpy().reshape(self.n_rows, -1).copy() for t in g.taps] if g is not None else []
+
+    def activations(self, batch) -> list[np.ndarray]:
+        """The residual stream after each block, (N, d) per block, of
+        ``batch`` under the current parameters (a forward graph of the
+        blocks alone: no head, no dropout, nothing updated); empty when the
+        model has no taps."""
+        if not self.supports_taps:
+            return []
+        self._upload(batch, float(self.n_rows), smooth=False)
+        g = self._get("taps")
+        self._run(g)
+        return [t.numpy().reshape(self.n_rows, -1).copy() for t in g.taps]
 
     def eval_nll(self, batch) -> tuple[float, int]:
         """(sum of NLL over the batch's targets, number of targets) without

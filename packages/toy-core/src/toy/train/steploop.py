@@ -72,6 +72,7 @@ from toy.train.optim import lr_at
 if TYPE_CHECKING:
     import toy_ggml
     from toy.runs import RunWriter
+    from toy.train.diagnostics import Diagnostics
     from toy.train.stepgraph import TrainEngine
 
 
@@ -140,6 +141,7 @@ class StepRun:
     stream: Any  # the batch stream: next() and epoch
     seen: int  # units (``unit``) trained on so far
     writer: RunWriter
+    diagnostics: Diagnostics | None = None  # toy.train.diagnostics (set by a task that has any)
 
     def init_counters(self, ckpt: checkpoint.Resumable | None) -> None:
         self.ckpt_dir = self.writer.dir / "checkpoints"
@@ -231,6 +233,25 @@ class StepRun:
             hint="free some space (or fix the folder) and start the run again",
         )
 
+    def _diverged(self, loss: float, grad_norm: float) -> TrainingDivergedError:
+        """The error for a step whose loss (or gradient) became non-finite,
+        saying where it began (``toy.train.diagnostics.diagnose``), after a
+        ``diag_nonfinite`` event that records it."""
+        from toy.train.diagnostics import EVENT_KINDS, diagnose
+
+        step = self.engine.step
+        what = f"the loss became {loss}" if not math.isfinite(loss) else f"the gradient norm became {grad_norm}"
+        try:
+            found, fields = diagnose(self.engine)
+        except Exception as e:  # noqa: BLE001 - the divergence is the error to report
+            found, fields = f"(could not say where: {e})", {"source": None}
+        self.writer.event(EVENT_KINDS["nonfinite"], step=step, loss=loss, grad_norm=grad_norm, **fields)
+        return TrainingDivergedError(
+            f"{what} at step {step}: {found}",
+            hint="lower the learning rate (optim.lr) or keep gradient clipping on; "
+            "a parameter that held NaN/Inf came with the starting weights or an earlier step",
+        )
+
     # -------------------------------------------------------------- loop
 
     def run(self) -> RunResult:
@@ -245,7 +266,12 @@ class StepRun:
         reason = "completed"
         per_step = self.per_step
         sample_every = cfg.sample_every or cfg.save_every
+        diag = self.diagnostics
         try:
+            for text in diag.skipped if diag is not None and eng.step < cfg.steps else ():
+                self.writer.event("note", text=text)
+                if hooks.note:
+                    hooks.note(text)
             if self.eval_at_start and eng.step == 0 and cfg.eval_every:
                 self._eval_label = EVAL_AT_START
                 try:
@@ -261,14 +287,20 @@ class StepRun:
                 t0 = time.perf_counter()
                 batches = [self.stream.next() for _ in range(cfg.grad_accum)]
                 lr = lr_at(cfg.optim, eng.step, cfg.steps)
-                r = eng.train_step(batches, lr)
+                if diag is not None:
+                    diag.before_step(eng)
+                # toy.trace: the same step, every node timed (toy-vit's config has no ``trace``)
+                if getattr(cfg, "trace", None) and eng.step + 1 == cfg.trace_step:
+                    from toy.trace import trace_run_step
+
+                    r = trace_run_step(self, batches, lr)
+                else:
+                    r = eng.train_step(batches, lr)
                 dt = time.perf_counter() - t0
                 self.seen += per_step
-                if not math.isfinite(r.loss):
-                    raise TrainingDivergedError(
-                        f"the loss became {r.loss} at step {eng.step}",
-                        hint="lower the learning rate (optim.lr) or keep gradient clipping on",
-                    )
+                stop_on_grads = diag is not None and diag.stops_on_grads
+                if not math.isfinite(r.loss) or (stop_on_grads and not math.isfinite(r.grad_norm)):
+                    raise self._diverged(r.loss, r.grad_norm)
                 self.last_loss = r.loss
                 ev = {
                     "step": eng.step,
@@ -281,6 +313,8 @@ class StepRun:
                     "epoch": self.stream.epoch,
                 }
                 self.writer.event("step", **ev)
+                for kind, fields in diag.after_step(eng) if diag is not None else ():
+                    self.writer.event(kind, **fields)
                 if hooks.progress:
                     extra = {"eval_s": self._eval_s, "evals_left": self._evals_left(eng.step)}
                     hooks.progress({**ev, "total": cfg.steps, **extra})
