@@ -17,19 +17,22 @@ first decision as ``toy infer`` meets it:
   a fixed prompt with EOS ignored; ``decode_tok_s`` and ``ttft_s`` as
   ``toy infer --json`` reports them, and the thread count the last compute
   used;
-- train: ``TrainEngine`` on the ``tiny`` preset (B=4, T=128) with threads
-  as ``toy train`` chooses them (``toy_ggml.runtime_threads``), five untimed
-  steps, then ``TRAIN_STEPS`` (20) timed; the median step, and the thread
-  count the last step used.
+- train: three ``TrainEngine``s on the ``tiny`` preset (B=4, T=128) in one
+  process, default, ``-t 1`` and ``-t 2`` with threads as ``toy train``
+  chooses them (``toy_ggml.runtime_threads``), their steps interleaved
+  (one step of each per round, the order rotating; see ``side_train`` for
+  why), five untimed rounds, then ``TRAIN_STEPS`` (20) timed; the median
+  step of each, and the thread counts the default's steps used.
 
 Conditions: ``idle`` (the machine as it is: the records carry the 1-minute
 load average; a busy machine is not idle) and ``busy`` (a child process
 spinning in a loop that ends by itself after at most ``BUSY_MAX_S``, started
 before the runs of that condition and stopped after them). Within a
-condition, ``REPS`` (3, ``$TOY_BENCH_CONTENTION_REPS``) rounds alternate
-default, ``-t 1``, ``-t 2`` back to back, so all three see the same noise;
-each figure is the median of its reps. On a 2-core machine the whole run
-takes 2-3 minutes. With more cores, ``-t 2`` is not the largest count: the
+condition, ``REPS`` (5, ``$TOY_BENCH_CONTENTION_REPS``) rounds alternate
+default, ``-t 1``, ``-t 2`` back to back (decode; training interleaves
+within each process), so all three see the same noise; each figure is the
+median of its reps. On a 2-core machine the whole run
+takes about 2 minutes. With more cores, ``-t 2`` is not the largest count: the
 comparison is then the default against 1 and 2 threads only.
 """
 
@@ -42,7 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import pytest
@@ -50,7 +53,7 @@ import pytest
 pytestmark = pytest.mark.bench
 
 THIS = Path(__file__).resolve()
-REPS = int(os.environ.get("TOY_BENCH_CONTENTION_REPS", "3"))
+REPS = int(os.environ.get("TOY_BENCH_CONTENTION_REPS", "5"))
 SETTINGS = ("default", "1", "2")
 NEW_TOKENS = 64
 PROMPT = "The capital of France is"
@@ -84,7 +87,14 @@ def side_decode(model: str, threads: int | None) -> dict:
         return out
 
 
-def side_train(threads: int | None) -> dict:
+def side_train() -> dict:
+    """The three settings in one process, their steps interleaved: each
+    round takes one step of every setting, in an order that rotates from
+    round to round, so the three meet the same machine (on a VM whose two
+    vCPUs another guest's load slows by a third at times, a step's time
+    drifts between two levels within one process, whatever the thread
+    count; separate processes at different moments would compare those
+    levels instead of the settings)."""
     import numpy as np
 
     import toy_ggml
@@ -95,15 +105,13 @@ def side_train(threads: int | None) -> dict:
 
     vocab, batch, context = 1024, 4, 128
     cfg = model_config(ModelShape(preset="tiny"), vocab, context)
-    n, adaptive = toy_ggml.runtime_threads(threads)  # as toy train chooses them
-    engine = TrainEngine(
-        ArchTrain(cfg),
-        init_params(cfg, 0),
-        toy_ggml.Runtime("cpu", threads=n, adaptive=adaptive),
-        OptimConfig(lr=1e-3),
-        batch=batch,
-        context=context,
-    )
+    engines = {}
+    for s in SETTINGS:
+        n, adaptive = toy_ggml.runtime_threads(None if s == "default" else int(s))  # as toy train chooses them
+        rt = toy_ggml.Runtime("cpu", threads=n, adaptive=adaptive)
+        engines[s] = TrainEngine(
+            ArchTrain(cfg), init_params(cfg, 0), rt, OptimConfig(lr=1e-3), batch=batch, context=context
+        )
 
     class Batch:
         def __init__(self, step: int):
@@ -115,13 +123,24 @@ def side_train(threads: int | None) -> dict:
             self.pos = np.tile(np.arange(context, dtype=np.int32), (batch, 1))
             self.doc = np.zeros((batch, context), np.int32)
 
-    times = []
-    for s in range(TRAIN_WARMUP + TRAIN_STEPS):
-        t0 = time.perf_counter()
-        engine.train_step([Batch(s)], 1e-3)
-        if s >= TRAIN_WARMUP:
-            times.append(time.perf_counter() - t0)
-    return {"step_s": statistics.median(times), "threads": n, "active_threads": engine.runtime.active_threads}
+    times: dict[str, list[float]] = {s: [] for s in SETTINGS}
+    chose: list[int] = []
+    for step in range(TRAIN_WARMUP + TRAIN_STEPS):
+        b = Batch(step)
+        k = step % len(SETTINGS)
+        for s in SETTINGS[k:] + SETTINGS[:k]:
+            t0 = time.perf_counter()
+            engines[s].train_step([b], 1e-3)
+            if step >= TRAIN_WARMUP:
+                times[s].append(time.perf_counter() - t0)
+                if s == "default":
+                    chose.append(engines[s].runtime.active_threads)
+    out = {s: {"step_s": statistics.median(times[s]), "threads": engines[s].runtime.threads} for s in SETTINGS}
+    out["default"]["chose"] = chose
+    for e in engines.values():
+        e.close()
+        e.runtime.close()
+    return out
 
 
 def run_side(argv: list[str]) -> dict:
@@ -213,24 +232,21 @@ def test_decode_under_contention(smollm2_path, record):
 
 
 def test_train_step_under_contention(record):
-    def argv(s: str) -> list[str]:
-        return ["--side", "train", *_thread_args(s)]
-
     for cond in ("idle", "busy"):
         la = load_avg()
-        if cond == "busy":
-            with busy_core():
-                runs = run_condition(argv)
-        else:
-            runs = run_condition(argv)
-        for s in SETTINGS:
-            for r in runs[s]:
-                r["step_ms"] = r["step_s"] * 1e3
+        sides = []
+        with busy_core() if cond == "busy" else nullcontext():
+            for _ in range(REPS):
+                time.sleep(0.3)
+                sides.append(run_side(["--side", "train"]))
+        runs = {s: [{"step_ms": side[s]["step_s"] * 1e3} for side in sides] for s in SETTINGS}
+        chose = [c for side in sides for c in side["default"]["chose"]]
         ctx = {
-            "default_threads": runs["default"][0]["threads"],
-            "default_chose": [r["active_threads"] for r in runs["default"]],
+            "default_threads": sides[0]["default"]["threads"],
+            "default_chose": {str(n): chose.count(n) for n in sorted(set(chose))},
             "load_avg_before": la,
             "preset": "tiny B=4 T=128",
+            "interleaved": True,
         }
         report(record, "contention", cond, runs, "step_ms", "ms", False, **ctx)
 
@@ -241,7 +257,7 @@ def main() -> None:
     ap.add_argument("--model")
     ap.add_argument("--threads", type=int)
     a = ap.parse_args()
-    res = side_decode(a.model, a.threads) if a.side == "decode" else side_train(a.threads)
+    res = side_decode(a.model, a.threads) if a.side == "decode" else side_train()
     print(json.dumps(res))
 
 
