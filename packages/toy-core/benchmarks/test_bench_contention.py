@@ -95,13 +95,13 @@ def side_train() -> dict:
     drifts between two levels within one process, whatever the thread
     count; separate processes at different moments would compare those
     levels instead of the settings)."""
-    import numpy as np
 
     import toy_ggml
     from toy.train.config import ModelShape
     from toy.train.model import ArchTrain, init_params, model_config
     from toy.train.optim import OptimConfig
     from toy.train.stepgraph import TrainEngine
+    from toy_testsupport.bench_models import RandomTokenBatch
 
     vocab, batch, context = 1024, 4, 128
     cfg = model_config(ModelShape(preset="tiny"), vocab, context)
@@ -113,20 +113,10 @@ def side_train() -> dict:
             ArchTrain(cfg), init_params(cfg, 0), rt, OptimConfig(lr=1e-3), batch=batch, context=context
         )
 
-    class Batch:
-        def __init__(self, step: int):
-            rng = np.random.default_rng([0, step])
-            ids = rng.integers(0, vocab, (batch, context + 1), dtype=np.int64)
-            self.tokens = np.ascontiguousarray(ids[:, :-1], dtype=np.int32)
-            self.targets = np.ascontiguousarray(ids[:, 1:], dtype=np.int32)
-            self.loss_mask = np.ones((batch, context), np.float32)
-            self.pos = np.tile(np.arange(context, dtype=np.int32), (batch, 1))
-            self.doc = np.zeros((batch, context), np.int32)
-
     times: dict[str, list[float]] = {s: [] for s in SETTINGS}
     chose: list[int] = []
     for step in range(TRAIN_WARMUP + TRAIN_STEPS):
-        b = Batch(step)
+        b = RandomTokenBatch(step, vocab, batch, context)
         k = step % len(SETTINGS)
         for s in SETTINGS[k:] + SETTINGS[:k]:
             t0 = time.perf_counter()

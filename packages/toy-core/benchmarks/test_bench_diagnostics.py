@@ -56,17 +56,11 @@ SETTLE_S = 0.5
 TARGET = 0.05
 
 
-class _Batch:
-    def __init__(self, step: int):
-        import numpy as np
+def _Batch(step: int):
+    """The seeded random batch of ``step`` (``toy_testsupport.bench_models``)."""
+    from toy_testsupport.bench_models import RandomTokenBatch
 
-        rng = np.random.default_rng([0, step])
-        ids = rng.integers(0, VOCAB, (BATCH, CONTEXT + 1), dtype=np.int64)
-        self.tokens = np.ascontiguousarray(ids[:, :-1], dtype=np.int32)
-        self.targets = np.ascontiguousarray(ids[:, 1:], dtype=np.int32)
-        self.loss_mask = np.ones((BATCH, CONTEXT), np.float32)
-        self.pos = np.tile(np.arange(CONTEXT, dtype=np.int32), (BATCH, 1))
-        self.doc = np.zeros((BATCH, CONTEXT), np.int32)
+    return RandomTokenBatch(step, VOCAB, BATCH, CONTEXT)
 
 
 def test_diagnostics_cost(record):

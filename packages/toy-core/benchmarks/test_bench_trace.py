@@ -34,17 +34,11 @@ LR = 1e-3
 SETTLE_S = 0.5
 
 
-class Batch:
-    def __init__(self, step: int):
-        import numpy as np
+def Batch(step: int):
+    """The seeded random batch of ``step`` (``toy_testsupport.bench_models``)."""
+    from toy_testsupport.bench_models import RandomTokenBatch
 
-        rng = np.random.default_rng([0, step])
-        ids = rng.integers(0, VOCAB, (BATCH, CONTEXT + 1), dtype=np.int64)
-        self.tokens = np.ascontiguousarray(ids[:, :-1], dtype=np.int32)
-        self.targets = np.ascontiguousarray(ids[:, 1:], dtype=np.int32)
-        self.loss_mask = np.ones((BATCH, CONTEXT), np.float32)
-        self.pos = np.tile(np.arange(CONTEXT, dtype=np.int32), (BATCH, 1))
-        self.doc = np.zeros((BATCH, CONTEXT), np.int32)
+    return RandomTokenBatch(step, VOCAB, BATCH, CONTEXT)
 
 
 def test_trace_cost_small(record, tmp_path):

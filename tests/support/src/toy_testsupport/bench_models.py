@@ -1,7 +1,8 @@
 """Models the benchmarks build once and cache (test-only): the reference
-helpers (``gpt2_ref``, ``gemma_ref``, ``moe_ref``) by name, and the
+helpers (``gpt2_ref``, ``gemma_ref``, ``moe_ref``) by name, the
 mixture-of-experts benchmark model that test_bench_infer.py and
-test_bench_batch_decode.py share."""
+test_bench_batch_decode.py share, and the seeded random token batches of
+the training-step benchmarks (``RandomTokenBatch``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,23 @@ import importlib
 import json
 import os
 from pathlib import Path
+
+
+class RandomTokenBatch:
+    """A (batch, context) training batch of random token ids drawn from
+    ``default_rng([0, step])``: every position a target, one document per
+    row (the fields ``TrainEngine.train_step`` reads)."""
+
+    def __init__(self, step: int, vocab: int, batch: int, context: int):
+        import numpy as np
+
+        rng = np.random.default_rng([0, step])
+        ids = rng.integers(0, vocab, (batch, context + 1), dtype=np.int64)
+        self.tokens = np.ascontiguousarray(ids[:, :-1], dtype=np.int32)
+        self.targets = np.ascontiguousarray(ids[:, 1:], dtype=np.int32)
+        self.loss_mask = np.ones((batch, context), np.float32)
+        self.pos = np.tile(np.arange(context, dtype=np.int32), (batch, 1))
+        self.doc = np.zeros((batch, context), np.int32)
 
 
 def ref_module(name: str):

@@ -221,17 +221,7 @@ def plot_runs(
     if not runs:
         raise BadInputError("no runs to plot", hint="name one or more runs")
     fig, info = build_figure(runs, title=title, log_loss=log_loss, size=size)
-    # write beside the target, then rename: a reader never sees half an image
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    try:
-        fig.savefig(tmp, format=fmt[1:], dpi=dpi)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    info.update(path=str(out), format=fmt[1:])
-    if fmt == ".png":
-        info["pixels"] = [round(size[0] * dpi), round(size[1] * dpi)]
-    return info
+    return {**info, **_save(fig, out, size, dpi)}
 
 
 __all__ = [
