@@ -81,6 +81,11 @@ COMMANDS = {
         "Merge LoRA adapters into BASE's weights and write OUT (a plain model llama.cpp loads), then report\n"
         "how far OUT's logits drift from BASE with the adapters applied.",
     ),
+    "convert": Lazy(
+        _M + "convert",
+        "Import a Hugging Face model folder (llama, qwen2, qwen3) into a GGUF file, as llama.cpp's converter\n"
+        "writes it, or a PEFT LoRA adapter folder (with --base) into a llama.cpp adapter; writes OUT atomically.",
+    ),
     "data": Lazy(
         _M + "data",
         "Fine-tuning data: check a JSONL file against a model, write the demo chat set.",
@@ -89,6 +94,12 @@ COMMANDS = {
     "new": Lazy(
         _M + "new",
         "Write a project: toy.toml (the defaults commands read inside it), data/, runs/, starter configs, a README.",
+    ),
+    "export": Lazy(
+        _M + "export",
+        "Write toy's files in Hugging Face formats: a model as a folder transformers loads (`toy export hf`),\n"
+        "a LoRA adapter as a PEFT folder (`toy export peft`).",
+        group=True,
     ),
 }
 

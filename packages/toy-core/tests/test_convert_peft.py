@@ -1,0 +1,416 @@
+"""PEFT LoRA adapters <-> toy adapter GGUFs (``toy.convert.peft``), checked
+against PEFT itself: an adapter trained a few steps with PEFT on a seeded
+random HF llama (base turned into GGUF by llama.cpp's own converter), imported,
+gives toy logits equal to PEFT's; a toy adapter exported loads in
+``PeftModel.from_pretrained`` and gives PEFT logits equal to toy's; a round
+trip gives the same bytes; the cases other converters get wrong are refused
+with errors naming the field or tensor, and nothing is written at OUT.
+
+Tolerance (llama): toy runs the model in F32 (ggml, KV cache F32) and torch in F32;
+logits agree to ``2e-4 * max|logit| + 1e-5`` while the adapter moves them by
+far more than that (checked, so a missing or mis-scaled adapter fails)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+from toy.convert.peft import PeftAdapterError, export_peft, import_peft  # noqa: E402
+from toy_testsupport import gpt2_ref  # noqa: E402
+from toy_testsupport.train_helpers import seeded_adapter  # noqa: E402
+
+IDS = [464, 2068, 7586, 21831, 18045, 625, 262, 16931, 3290, 13, 50256, 11, 314]
+# toy's GPT-2 uses ggml's float16 GELU table (as llama.cpp does): its logits sit
+# 1.4e-3 .. 2e-3 from HF's on the tiny model with or without an adapter; the
+# bound of test_gpt2_inference (GELU_TOL, tiny) applies
+GPT2_GELU_TOL = 5e-3
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _tol(ref: np.ndarray) -> float:
+    return 2e-4 * float(np.abs(ref).max()) + 1e-5
+
+
+def _make_llama(out: Path, seed: int = 0, arch: str = "llama", **fields) -> Path:
+    import torch
+    import transformers
+
+    prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[arch]
+    config_cls = getattr(transformers, f"{prefix}Config")
+    model_cls = getattr(transformers, f"{prefix}ForCausalLM")
+
+    shape = dict(
+        vocab_size=gpt2_ref.N_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=50256,
+        eos_token_id=50256,
+        head_dim=16,
+    )
+    cfg = config_cls(**{**shape, **fields})
+    torch.manual_seed(seed)
+    model = model_cls(cfg).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * (0.1 if p.shape[0] == cfg.vocab_size else 1.6 / p.shape[-1] ** 0.5))
+    model.save_pretrained(out, safe_serialization=True)
+    gpt2_ref.gpt2_tokenizer_files(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llama")
+    hf = _make_llama(root / "hf")
+    gguf = gpt2_ref.convert_to_gguf(hf, root / "base.gguf", "f32")
+    return hf, gguf
+
+
+def _hf(hf_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def _torch_logits(model, ids) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def _toy_logits(gguf, ids, lora=None) -> np.ndarray:
+    import toy
+
+    with toy.load(gguf, threads=1, n_ctx=64, kv_type="f32", lora=lora) as m:
+        return np.asarray(m.logits(ids), np.float32)
+
+
+def _train_peft(hf_dir, out: Path, *, targets, steps=4, seed=1, **lora) -> Path:
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    model = _hf(hf_dir)
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, **lora)
+    pm = get_peft_model(model, cfg)
+    opt = torch.optim.Adam([p for p in pm.parameters() if p.requires_grad], lr=2e-2)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 50257, (2, 12), generator=g)
+    for _ in range(steps):
+        loss = pm(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    pm.save_pretrained(out)
+    return out
+
+
+def _peft_logits(hf_dir, folder, ids) -> np.ndarray:
+    from peft import PeftModel
+
+    return _torch_logits(PeftModel.from_pretrained(_hf(hf_dir), str(folder)).eval(), ids)
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_peft_trained_adapter_imported_gives_peft_logits(llama, tmp_path, rslora):
+    hf, gguf = llama
+    folder = _train_peft(hf, tmp_path / "peft", targets=TARGETS, use_rslora=rslora)
+    out = import_peft(folder, gguf, tmp_path / "a.gguf")
+    want = _peft_logits(hf, folder, IDS)
+    base = _toy_logits(gguf, IDS)
+    got = _toy_logits(gguf, IDS, lora=out)
+    tol = _tol(want)
+    assert np.abs(base - want).max() > 50 * tol  # the adapter matters
+    assert np.abs(got - want).max() <= tol
+
+
+def test_rank_and_alpha_patterns(llama, tmp_path):
+    """Per-module ranks and alphas (PEFT's rank_pattern / alpha_pattern) with
+    rsLoRA: one file alpha cannot express every module's scale, so the ratio
+    goes into those modules' lora_b; an export writes the ranks back."""
+    hf, gguf = llama
+    folder = _train_peft(
+        hf,
+        tmp_path / "peft",
+        targets=TARGETS,
+        use_rslora=True,
+        rank_pattern={"q_proj": 2, "down_proj": 6},
+        alpha_pattern={"v_proj": 32},
+    )
+    out = import_peft(folder, gguf, tmp_path / "a.gguf")
+    want = _peft_logits(hf, folder, IDS)
+    got = _toy_logits(gguf, IDS, lora=out)
+    assert np.abs(got - want).max() <= _tol(want)
+    again = export_peft(out, tmp_path / "again", base=gguf)
+    cfg = json.loads((again / "adapter_config.json").read_text())
+    assert cfg["rank_pattern"] == {
+        f"model.layers.{i}.{m}": r for i in (0, 1) for m, r in [("self_attn.q_proj", 2), ("mlp.down_proj", 6)]
+    }
+    assert np.abs(_peft_logits(hf, again, IDS) - want).max() <= _tol(want)
+    assert import_peft(again, gguf, tmp_path / "b.gguf").read_bytes() == out.read_bytes()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_adapters_both_ways(tmp_path, arch):
+    """No Q/K row permutation for these (the converter keeps HF's order); qwen2
+    has Q/K/V biases, qwen3 per-head Q/K norms, both untouched by LoRA."""
+    hf = _make_llama(tmp_path / "hf", seed=2, arch=arch)
+    gguf = gpt2_ref.convert_to_gguf(hf, tmp_path / "base.gguf", "f32")
+    folder = _train_peft(hf, tmp_path / "peft", targets=TARGETS)
+    out = import_peft(folder, gguf, tmp_path / "a.gguf")
+    want = _peft_logits(hf, folder, IDS)
+    tol = _tol(want)
+    assert np.abs(_toy_logits(gguf, IDS) - want).max() > 50 * tol
+    assert np.abs(_toy_logits(gguf, IDS, lora=out) - want).max() <= tol
+    again = export_peft(out, tmp_path / "again", base=gguf)
+    assert np.abs(_peft_logits(hf, again, IDS) - want).max() <= tol
+    assert import_peft(again, gguf, tmp_path / "b.gguf").read_bytes() == out.read_bytes()
+
+
+def test_toy_adapter_exported_loads_in_peft_and_round_trips(llama, tmp_path):
+    hf, gguf = llama
+    targets = ["q", "k", "v", "o", "gate", "up", "down"]
+    ad = seeded_adapter(
+        gguf, tmp_path / "toy.gguf", seed=3, rank=4, alpha=8.0, targets=targets, std=0.2, base_name="base.gguf"
+    )
+    folder = export_peft(ad, tmp_path / "peft", base=gguf)
+    want = _toy_logits(gguf, IDS, lora=ad)
+    got = _peft_logits(hf, folder, IDS)
+    tol = _tol(want)
+    assert np.abs(_toy_logits(gguf, IDS) - want).max() > 50 * tol
+    assert np.abs(got - want).max() <= tol
+    back = import_peft(folder, gguf, tmp_path / "back.gguf")
+    assert back.read_bytes() == Path(ad).read_bytes()
+
+
+def test_gpt2_fused_c_attn(tmp_path):
+    hf, gguf = gpt2_ref.hf_dir("tiny"), gpt2_ref.gguf_path("tiny")
+    folder = _train_peft(hf, tmp_path / "peft", targets=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True)
+    out = import_peft(folder, gguf, tmp_path / "a.gguf")
+    ids = IDS[:8]
+    want = _peft_logits(hf, folder, ids)
+    got = _toy_logits(gguf, ids, lora=out)
+    tol = GPT2_GELU_TOL
+    assert np.abs(_toy_logits(gguf, ids) - want).max() > 10 * tol
+    assert np.abs(got - want).max() <= tol
+    again = export_peft(out, tmp_path / "again")
+    assert import_peft(again, gguf, tmp_path / "b.gguf").read_bytes() == out.read_bytes()
+
+
+def _llamacpp_convert_lora(peft_dir: Path, hf_base: Path, out: Path) -> Path:
+    """llama.cpp's own convert_lora_to_gguf.py (the pinned sdist's) on a PEFT folder, F32."""
+    import os
+    import subprocess
+    import sys
+    import tarfile
+
+    script = out.parent / "convert_lora_to_gguf.py"
+    with tarfile.open(gpt2_ref._sdist(), "r:gz") as tar:
+        src = tar.extractfile(gpt2_ref._PREFIX + "convert_lora_to_gguf.py")
+        assert src is not None
+        script.write_bytes(src.read())
+    lcpp = gpt2_ref.llama_cpp_dir()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(lcpp / "gguf-py"), str(lcpp)])
+    cmd = [
+        sys.executable,
+        str(script),
+        str(peft_dir),
+        "--base",
+        str(hf_base),
+        "--outfile",
+        str(out),
+        "--outtype",
+        "f32",
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_moe_router_adapted_experts_refused(tmp_path):
+    """qwen3moe: PEFT's ``mlp.gate`` (the router) becomes ``ffn_gate_inp``'s
+    pair; toy (like llama.cpp) takes no adapter on the experts: refused."""
+    from toy_testsupport import moe_ref
+
+    hf, gguf = moe_ref.hf_dir("qwen3moe-tiny"), moe_ref.gguf_path("qwen3moe-tiny")
+    folder = _train_peft(hf, tmp_path / "peft", targets=["q_proj", "v_proj", "gate"], steps=3)
+    out = import_peft(folder, gguf, tmp_path / "a.gguf")
+    want = _peft_logits(hf, folder, IDS)
+    tol = _tol(want)
+    assert np.abs(_toy_logits(gguf, IDS) - want).max() > 50 * tol
+    assert np.abs(_toy_logits(gguf, IDS, lora=out) - want).max() <= tol
+    experts = _train_peft(hf, tmp_path / "experts", targets=["down_proj"], steps=1)
+    with pytest.raises(PeftAdapterError, match=r"experts\.\d+\.down_proj") as e:
+        import_peft(experts, gguf, tmp_path / "b.gguf")
+    assert "experts" in e.value.hint and not (tmp_path / "b.gguf").exists()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_tensors_equal_llamacpp_convert_lora(llama, tmp_path, arch):
+    """llama.cpp's convert_lora_to_gguf.py writes the same tensors (names,
+    shapes, F32 values; llama's Q/K lora_b permuted) and the same alpha; for
+    gpt2 it writes every pair transposed (its bug, see below)."""
+    from toy.gguf import GGUFFile
+
+    if arch == "llama":
+        hf, gguf = llama
+        targets = TARGETS
+    else:
+        hf, gguf = gpt2_ref.hf_dir("tiny"), gpt2_ref.gguf_path("tiny")
+        targets = ["c_attn", "c_proj", "c_fc"]
+    folder = _train_peft(hf, tmp_path / "peft", targets=targets, steps=2)
+    ours = import_peft(folder, gguf, tmp_path / "ours.gguf")
+    theirs = _llamacpp_convert_lora(folder, hf, tmp_path / "theirs.gguf")
+    with GGUFFile(ours) as a, GGUFFile(theirs) as b:
+        assert sorted(a.tensors) == sorted(b.tensors)
+        assert a.metadata["adapter.lora.alpha"] == b.metadata["adapter.lora.alpha"]
+        assert a.metadata["general.architecture"] == b.metadata["general.architecture"]
+        for name in b.tensors:
+            if arch == "gpt2":
+                # llama.cpp transposes GPT-2's Conv1D weights into Linear form, and its LoRA
+                # converter transposes the adapter too, which PEFT already keeps in Linear
+                # form: every pair comes out swapped and transposed. B·A is then (in, out):
+                # rejected for attn_qkv/ffn_up/ffn_down, silently wrong for the square
+                # attn_output. toy's pairs are the ones PEFT's logits confirm
+                # (test_gpt2_fused_c_attn); llama.cpp's hold the same numbers, transposed.
+                other = name[:-1] + ("b" if name.endswith("a") else "a")
+                assert np.array_equal(b.tensor_to_float(name), a.tensor_to_float(other).T), name
+            else:
+                assert np.array_equal(a.tensor_to_float(name), b.tensor_to_float(name)), name
+
+
+# ------------------------------------------------------------ refused cases
+
+
+@pytest.fixture(scope="module")
+def trained(llama, tmp_path_factory):
+    hf, _ = llama
+    return _train_peft(hf, tmp_path_factory.mktemp("trained") / "peft", targets=["q_proj", "v_proj"], steps=1)
+
+
+def _variant(src: Path, dst: Path, **config) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    cfg.update(config)
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("config", "needle"),
+    [
+        ({"use_dora": True}, "use_dora"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"bias": "lora_only"}, "bias"),
+        ({"r": "four"}, "r is 'four'"),
+        ({"peft_type": "IA3"}, "peft_type"),
+    ],
+)
+def test_refused_configs_name_the_field(llama, trained, tmp_path, config, needle):
+    _, gguf = llama
+    folder = _variant(trained, tmp_path / "v", **config)
+    out = tmp_path / "out.gguf"
+    with pytest.raises(PeftAdapterError, match=needle) as e:
+        import_peft(folder, gguf, out)
+    assert e.value.hint
+    assert not out.exists() and list(tmp_path.glob(".out.gguf*")) == []
+
+
+def test_embedding_and_head_targets_are_refused(llama, tmp_path):
+    hf, gguf = llama
+    folder = _train_peft(hf, tmp_path / "peft", targets=["q_proj", "lm_head"], steps=1)
+    with pytest.raises(PeftAdapterError, match="lm_head"):
+        import_peft(folder, gguf, tmp_path / "o.gguf")
+    assert not (tmp_path / "o.gguf").exists()
+
+
+def test_tied_embeddings(tmp_path):
+    """A model whose head is its embedding (no output.weight in the GGUF): an
+    adapter of the projections converts and matches PEFT; one on the tied
+    embedding is refused, naming it."""
+    hf = _make_llama(tmp_path / "hf", seed=4, tie_word_embeddings=True)
+    gguf = gpt2_ref.convert_to_gguf(hf, tmp_path / "base.gguf", "f32")
+    folder = _train_peft(hf, tmp_path / "peft", targets=["q_proj", "v_proj", "down_proj"], steps=3)
+    out = import_peft(folder, gguf, tmp_path / "a.gguf")
+    want = _peft_logits(hf, folder, IDS)
+    assert np.abs(_toy_logits(gguf, IDS, lora=out) - want).max() <= _tol(want)
+    emb = _train_peft(hf, tmp_path / "emb", targets=["q_proj", "embed_tokens"], steps=1)
+    with pytest.raises(PeftAdapterError, match="embed_tokens") as e:
+        import_peft(emb, gguf, tmp_path / "o.gguf")
+    assert "tied or not" in str(e.value) and not (tmp_path / "o.gguf").exists()
+
+
+def test_adapter_for_another_base_names_the_tensor(trained, tmp_path):
+    gguf = gpt2_ref.gguf_path("tiny")  # gpt2: no q_proj
+    with pytest.raises(PeftAdapterError, match=r"q_proj"):
+        import_peft(trained, gguf, tmp_path / "o.gguf")
+    other = _make_llama(tmp_path / "hf2", hidden_size=32, intermediate_size=48)
+    g2 = gpt2_ref.convert_to_gguf(other, tmp_path / "b2.gguf", "f32")
+    with pytest.raises(PeftAdapterError, match=r"blk\.0\.attn_q\.weight") as e:
+        import_peft(trained, g2, tmp_path / "o.gguf")
+    assert "--base" in e.value.hint
+    assert not (tmp_path / "o.gguf").exists()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_sources(llama, trained, tmp_path, dtype):
+    """A PEFT folder saved in BF16 or F16: the values become F32 exactly as torch widens them."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from toy.adapters import load_adapter
+
+    _, gguf = llama
+    folder = _variant(trained, tmp_path / "half")
+    w = folder / "adapter_model.safetensors"
+    half = {k: v.to(getattr(torch, dtype)) for k, v in load_file(w).items()}
+    save_file(half, w, metadata={"format": "pt"})
+    ad = load_adapter(import_peft(folder, gguf, tmp_path / "a.gguf"))
+    key = "base_model.model.model.layers.1.self_attn.v_proj.lora_{}.weight"
+    a, b = ad.pairs["blk.1.attn_v.weight"]
+    assert np.array_equal(a, half[key.format("A")].float().numpy())
+    assert np.array_equal(b, half[key.format("B")].float().numpy())
+
+
+def test_truncated_and_lying_safetensors(llama, trained, tmp_path):
+    _, gguf = llama
+    cut = _variant(trained, tmp_path / "cut")
+    w = cut / "adapter_model.safetensors"
+    w.write_bytes(w.read_bytes()[:-10])
+    with pytest.raises(PeftAdapterError, match="data_offsets"):
+        import_peft(cut, gguf, tmp_path / "o.gguf")
+    lie = _variant(trained, tmp_path / "lie")
+    w = lie / "adapter_model.safetensors"
+    data = w.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    head = json.loads(data[8 : 8 + n])
+    name = max((k for k in head if k != "__metadata__"), key=lambda k: head[k]["data_offsets"][1])
+    lo, hi = head[name]["data_offsets"]
+    head[name]["data_offsets"] = [lo - 4, hi - 4]  # in the file, the right size, overlapping the previous one
+    h = json.dumps(head).encode()
+    h += b" " * (n - len(h)) if len(h) <= n else b""
+    w.write_bytes(struct.pack("<Q", len(h)) + h + data[8 + n :])
+    with pytest.raises(PeftAdapterError, match=name.replace(".", r"\.")):
+        import_peft(lie, gguf, tmp_path / "o.gguf")
+    assert not (tmp_path / "o.gguf").exists()
