@@ -161,19 +161,13 @@ def arch_config(arch: str, preset: str, vocab: int, context: int):
     return model_config(ModelShape(arch=arch, preset=preset), vocab, context)
 
 
-class Batch:
-    """One (B, T) training batch as toy's engine reads it."""
+def Batch(vocab: int, batch: int, context: int, step: int):
+    """One (B, T) training batch as toy's engine reads it: the seeded random
+    tokens of ``toy_testsupport.bench_models.RandomTokenBatch`` (seed [SEED, step])."""
+    from toy_testsupport.bench_models import RandomTokenBatch
 
-    def __init__(self, vocab: int, batch: int, context: int, step: int):
-        import numpy as np
-
-        rng = np.random.default_rng([SEED, step])
-        ids = rng.integers(0, vocab, (batch, context + 1), dtype=np.int64)
-        self.tokens = np.ascontiguousarray(ids[:, :-1], dtype=np.int32)
-        self.targets = np.ascontiguousarray(ids[:, 1:], dtype=np.int32)
-        self.loss_mask = np.ones((batch, context), np.float32)
-        self.pos = np.tile(np.arange(context, dtype=np.int32), (batch, 1))
-        self.doc = np.zeros((batch, context), np.int32)
+    assert SEED == 0  # RandomTokenBatch draws from default_rng([0, step])
+    return RandomTokenBatch(step, vocab, batch, context)
 
 
 def maxrss_bytes() -> int:

@@ -88,7 +88,7 @@ from toy.convert.safetensors_io import SafetensorsFolder
 from toy.errors import BadInputError
 from toy.gguf.constants import DEFAULT_ALIGNMENT, MAGIC, ValueType
 from toy.gguf.reader import TypeInfo
-from toy.gguf.writer import _encode
+from toy.gguf.writer import _encode, publish
 
 GGMLType = toy_ggml.GGMLType
 
@@ -751,10 +751,7 @@ def _write(
                 del data
             f.flush()
             os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, dst)
+        publish(tmp, dst)
     except BaseException:
         try:
             os.unlink(tmp)

@@ -107,6 +107,16 @@ def _encode(out: list[bytes], value: Any, info: TypeInfo, key: str) -> None:
         raise ValueError(f"{key}: unknown value type {vt}")
 
 
+def publish(tmp: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
+    """Put a finished temporary file in place: give it the usual umask-based
+    mode (mkstemp makes it 0600), then rename it to ``path`` (atomic on one
+    file system, so a reader sees the old file or the whole new one)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, path)
+
+
 class GGUFWriter:
     def __init__(self, path: str | os.PathLike[str], alignment: int = DEFAULT_ALIGNMENT):
         if alignment <= 0 or alignment & (alignment - 1):
@@ -216,11 +226,7 @@ class GGUFWriter:
                     f.write(mv)
                 f.flush()
                 os.fsync(f.fileno())
-            # mkstemp makes the file 0600; give it the usual umask-based mode
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-            os.replace(tmp, self.path)
+            publish(tmp, self.path)
         except BaseException:
             try:
                 os.unlink(tmp)
@@ -243,4 +249,4 @@ def copy_metadata(
         writer.add(key, override[key] if override and key in override else value, src.types[key])
 
 
-__all__ = ["GGUFWriter", "GGUFError", "copy_metadata"]
+__all__ = ["GGUFWriter", "GGUFError", "copy_metadata", "publish"]
