@@ -106,6 +106,27 @@ def test_matches_llamacpp_converter(made, converted, tmp_path, arch, outtype):
     assert_same_gguf(converted(folder, outtype), out)
 
 
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+@pytest.mark.parametrize("block_bytes", [1, 700])
+def test_tensors_converted_in_row_blocks_match_the_converter(
+    made, converted, tmp_path, monkeypatch, outtype, block_bytes
+):
+    """Tensors go in blocks of rows (``BLOCK_BYTES``; a 0.5B model's embedding
+    is 200 MB): with blocks of one row, or of one head for the permuted Q/K
+    rows, and with blocks of a few rows, the file is still the converter's."""
+    import toy.convert.hf_import as hi
+
+    monkeypatch.setattr(hi, "BLOCK_BYTES", block_bytes)
+    folder = _folder(made, "llama")
+    q = hi._Plan("q", "q", (64, 32), hi.GGMLType.F32, 4)  # 4 heads of 16 rows, permuted
+    assert hi._row_blocks(q) == [(0, 16, 1), (16, 32, 1), (32, 48, 1), (48, 64, 1)]  # one head per block
+    plain = hi._row_blocks(hi._Plan("w", "w", (64, 32), hi.GGMLType.F32, 0))
+    assert plain[0] == ((0, 1, 0) if block_bytes == 1 else (0, 5, 0)) and plain[-1][1] == 64
+    out = tmp_path / "toy.gguf"
+    import_hf(folder, out, outtype, name=hf_llama_ref.MODEL_NAME)
+    assert_same_gguf(converted(folder, outtype), out)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("tag", "kw", "outtype"),

@@ -12,9 +12,10 @@ writes for the same folder. Supported: ``LlamaForCausalLM``,
 
 How it streams: every header is read first, so the GGUF header (names,
 shapes, types, offsets) is known before a weight is touched; then each
-tensor is mapped, converted and appended, and its memory released before
-the next. Peak memory is about the largest tensor (a few copies of it), not
-the model. The file is written under a temporary name in OUT's folder and
+tensor goes in blocks of rows (``BLOCK_BYTES`` of source, whole heads
+where the Q/K rows are permuted): a block is mapped, converted, appended
+and its memory released before the next. Peak memory is a few blocks plus
+Python's, not a tensor and not the model. The file is written under a temporary name in OUT's folder and
 renamed at the end; on any error the temporary file is removed and OUT is
 left as it was.
 
@@ -703,6 +704,29 @@ def import_hf(
     return report
 
 
+#: rows converted at once: a tensor is read, permuted and encoded in blocks of about this many source bytes, so the
+#: peak memory is a block's, not a whole embedding's (a 0.5B model's is 200 MB in F32)
+BLOCK_BYTES = 16 << 20
+
+
+def _row_blocks(p: _Plan) -> list[tuple[int, int, int]]:
+    """``(start, stop, heads)`` blocks of ``p``'s rows, in order: whole heads
+    when the rows are permuted (the permutation moves rows within a head
+    only; ``heads`` is the block's head count, 0 for no permutation), and
+    whole quantization rows always (a block holds whole rows)."""
+    rows = p.shape[0] if p.shape else 1
+    row_bytes = 4
+    for d in p.shape[1:]:
+        row_bytes *= d
+    unit = rows // p.permute if p.permute else 1  # rows per head
+    per_block = max(1, BLOCK_BYTES // max(1, row_bytes * unit)) * unit
+    out = []
+    for start in range(0, rows, per_block):
+        stop = min(rows, start + per_block)
+        out.append((start, stop, (stop - start) // unit if p.permute else 0))
+    return out or [(0, rows, p.permute)]
+
+
 def _write(
     dst: Path,
     meta: list[tuple[str, Any, TypeInfo]],
@@ -738,17 +762,20 @@ def _write(
             for i, (p, size) in enumerate(zip(plans, sizes)):
                 if progress is not None:
                     progress(i, len(plans), p.name)
-                x = weights.read(p.hf_name)
-                if p.permute:
-                    x = permute_rows(x, p.permute)
-                data = encode_tensor(x, p.type)
-                del x
-                if len(data) != size:  # a bug, not bad input
-                    raise AssertionError(f"{p.name}: {len(data)} bytes, expected {size}")
-                f.write(data)
+                written = 0
+                for start, stop, heads in _row_blocks(p):
+                    x = weights.read_rows(p.hf_name, start, stop)
+                    if heads:
+                        x = permute_rows(x, heads)
+                    data = encode_tensor(x, p.type)
+                    del x
+                    f.write(data)
+                    written += len(data)
+                    del data
+                if written != size:  # a bug, not bad input
+                    raise AssertionError(f"{p.name}: {written} bytes, expected {size}")
                 f.write(b"\0" * ((-size) % a))
                 report.type_counts[p.type.name] = report.type_counts.get(p.type.name, 0) + 1
-                del data
             f.flush()
             os.fsync(f.fileno())
         publish(tmp, dst)

@@ -194,19 +194,35 @@ class SafetensorsFolder:
     def read(self, name: str) -> np.ndarray:
         """The tensor as float32 (F32, BF16) or float16 (F16), NumPy order."""
         ref = self.tensors[name]
+        return self.read_rows(name, 0, ref.shape[0] if ref.shape else 1)
+
+    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` (of the first axis; a 0-d tensor has one) as
+        ``read`` gives the whole tensor: only those rows' bytes are mapped,
+        and unmapped before this returns, so converting a tensor in blocks of
+        rows keeps neither the whole source nor a whole copy resident."""
+        ref = self.tensors[name]
         np_dtype = _DTYPES[ref.dtype][0]
-        if ref.nbytes == 0:
-            out = np.zeros(ref.shape, dtype=np_dtype)
+        rows = ref.shape[0] if ref.shape else 1
+        if not 0 <= start <= stop <= rows:
+            raise ValueError(f"rows {start}:{stop} of {name!r} ({rows} rows)")
+        shape = (stop - start, *ref.shape[1:]) if ref.shape else ref.shape
+        row_bytes = ref.nbytes // rows if rows else 0
+        nbytes = (stop - start) * row_bytes
+        count = nbytes // np.dtype(np_dtype).itemsize
+        if nbytes == 0:
+            out = np.zeros(shape, dtype=np_dtype)
         else:
-            start = ref.offset - ref.offset % mmap.ALLOCATIONGRANULARITY
-            skip = ref.offset - start
+            first = ref.offset + start * row_bytes
+            base = first - first % mmap.ALLOCATIONGRANULARITY
+            skip = first - base
             try:
                 with (
                     open(ref.file, "rb") as f,
-                    mmap.mmap(f.fileno(), skip + ref.nbytes, access=mmap.ACCESS_READ, offset=start) as m,
+                    mmap.mmap(f.fileno(), skip + nbytes, access=mmap.ACCESS_READ, offset=base) as m,
                 ):
-                    view = np.frombuffer(m, dtype=np_dtype, count=ref.size, offset=skip)
-                    out = view.reshape(ref.shape).copy()
+                    view = np.frombuffer(m, dtype=np_dtype, count=count, offset=skip)
+                    out = view.reshape(shape).copy()
                     del view
             except (OSError, ValueError) as e:
                 raise _bad(ref.file, f"tensor {name!r}: cannot map its bytes ({e})") from None
