@@ -21,9 +21,10 @@ from __future__ import annotations
 import os
 import struct
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
@@ -117,6 +118,58 @@ def publish(tmp: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
     os.replace(tmp, path)
 
 
+def header_bytes(
+    kv: Iterable[tuple[str, Any, TypeInfo]],
+    tensors: Iterable[tuple[str, tuple[int, ...], Any, int]],
+    alignment: int = DEFAULT_ALIGNMENT,
+) -> tuple[bytes, list[int]]:
+    """The GGUF v3 header of ``kv`` ((key, value, type)) and ``tensors``
+    ((name, shape in NumPy order, ggml type, data bytes)), padded to
+    ``alignment``, and each tensor's offset in the data section (each
+    aligned). A streaming writer (``toy.convert``'s import) writes the
+    header, then each tensor's bytes at its offset, without holding them."""
+    kv, tensors = list(kv), list(tensors)
+    header: list[bytes] = [MAGIC, struct.pack("<IQQ", 3, len(tensors), len(kv))]
+    for key, value, info in kv:
+        kb = key.encode()
+        header += [struct.pack("<Q", len(kb)), kb, struct.pack("<I", int(info.type))]
+        _encode(header, value, info, key)
+    offsets, offset = [], 0
+    for name, shape, gt, nbytes in tensors:
+        nb = name.encode()
+        dims = tuple(reversed(shape))
+        header.append(struct.pack("<Q", len(nb)) + nb + struct.pack("<I", len(dims)))
+        header.append(struct.pack(f"<{len(dims)}Q", *dims))
+        header.append(struct.pack("<IQ", int(gt), offset))
+        offsets.append(offset)
+        offset = (offset + nbytes + alignment - 1) // alignment * alignment
+    head = b"".join(header)
+    return head + b"\0" * ((-len(head)) % alignment), offsets
+
+
+@contextmanager
+def atomic_output(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
+    """A binary file that becomes ``path`` only when the ``with`` block ends
+    without an error (written to a temporary file in the same folder,
+    fsynced, then ``publish``ed); on any error the temporary file is removed
+    and ``path`` is left as it was."""
+    dst = Path(path)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        publish(tmp, dst)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 class GGUFWriter:
     def __init__(self, path: str | os.PathLike[str], alignment: int = DEFAULT_ALIGNMENT):
         if alignment <= 0 or alignment & (alignment - 1):
@@ -191,48 +244,18 @@ class GGUFWriter:
 
     def write(self) -> Path:
         """Write the file atomically; returns its path."""
-        header: list[bytes] = [MAGIC, struct.pack("<IQQ", 3, len(self._tensors), len(self._kv))]
-        for key, (value, info) in self._kv.items():
-            kb = key.encode()
-            header.append(struct.pack("<Q", len(kb)))
-            header.append(kb)
-            header.append(struct.pack("<I", int(info.type)))
-            _encode(header, value, info, key)
-        offset = 0
-        layout = []
-        a = self.alignment
-        for name, (shape, gt, mv) in self._tensors.items():
-            nb = name.encode()
-            dims = tuple(reversed(shape))
-            header.append(struct.pack("<Q", len(nb)) + nb + struct.pack("<I", len(dims)))
-            header.append(struct.pack(f"<{len(dims)}Q", *dims))
-            header.append(struct.pack("<IQ", int(gt), offset))
-            layout.append((offset, mv))
-            offset = (offset + len(mv) + a - 1) // a * a
-        head = b"".join(header)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(head)
-                pos = len(head)
-                pad = (-pos) % a
-                f.write(b"\0" * pad)
-                data_start = pos + pad
-                for off, mv in layout:
-                    cur = f.tell() - data_start
-                    if cur < off:
-                        f.write(b"\0" * (off - cur))
-                    f.write(mv)
-                f.flush()
-                os.fsync(f.fileno())
-            publish(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        head, offsets = header_bytes(
+            ((key, value, info) for key, (value, info) in self._kv.items()),
+            ((name, shape, gt, len(mv)) for name, (shape, gt, mv) in self._tensors.items()),
+            self.alignment,
+        )
+        with atomic_output(self.path) as f:
+            f.write(head)
+            for off, (_, _, mv) in zip(offsets, self._tensors.values(), strict=True):
+                cur = f.tell() - len(head)
+                if cur < off:
+                    f.write(b"\0" * (off - cur))
+                f.write(mv)
         return self.path
 
 
@@ -249,4 +272,4 @@ def copy_metadata(
         writer.add(key, override[key] if override and key in override else value, src.types[key])
 
 
-__all__ = ["GGUFWriter", "GGUFError", "copy_metadata", "publish"]
+__all__ = ["GGUFWriter", "GGUFError", "atomic_output", "copy_metadata", "header_bytes", "publish"]
