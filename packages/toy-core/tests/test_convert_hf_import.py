@@ -118,9 +118,9 @@ def test_tensors_converted_in_row_blocks_match_the_converter(
 
     monkeypatch.setattr(hi, "BLOCK_BYTES", block_bytes)
     folder = _folder(made, "llama")
-    q = hi._Plan("q", "q", (64, 32), hi.GGMLType.F32, 4)  # 4 heads of 16 rows, permuted
-    assert hi._row_blocks(q) == [(0, 16, 1), (16, 32, 1), (32, 48, 1), (48, 64, 1)]  # one head per block
-    plain = hi._row_blocks(hi._Plan("w", "w", (64, 32), hi.GGMLType.F32, 0))
+    q = hi._row_blocks((64, 32), "rope_pairs", 4)  # 4 heads of 16 rows, permuted
+    assert q == [(0, 16, 1), (16, 32, 1), (32, 48, 1), (48, 64, 1)]  # one head per block
+    plain = hi._row_blocks((64, 32), "", 0)
     assert plain[0] == ((0, 1, 0) if block_bytes == 1 else (0, 5, 0)) and plain[-1][1] == 64
     out = tmp_path / "toy.gguf"
     import_hf(folder, out, outtype, name=hf_llama_ref.MODEL_NAME)
@@ -274,6 +274,40 @@ def test_header_overlapping_tensors(small):
     _refused(folder, out, SafetensorsError, "overlap")
 
 
+def test_header_with_a_gap_or_trailing_bytes(small):
+    """The tensors must tile the data section exactly, as the safetensors
+    library requires (it refuses a gap: MetadataIncompleteBuffer)."""
+    folder, out = small
+    st = folder / "model.safetensors"
+    st.write_bytes(st.read_bytes() + b"\0" * 8)
+    _refused(folder, out, SafetensorsError, "after the last tensor")
+    st.write_bytes(st.read_bytes()[:-8])
+    n, h = _header(st)
+    # 8 zero bytes before the last tensor's data, its offsets moved past them
+    last = max((k for k in h if k != "__metadata__"), key=lambda k: h[k]["data_offsets"][1])
+    b, e = h[last]["data_offsets"]
+    h[last]["data_offsets"] = [b + 8, e + 8]
+    _write_header(st, h)
+    raw = st.read_bytes()
+    st.write_bytes(raw[: 8 + n + b] + b"\0" * 8 + raw[8 + n + b :])
+    _refused(folder, out, SafetensorsError, "gap")
+
+
+def test_read_metadata_and_read_ref(small):
+    from safetensors.numpy import load_file
+
+    from toy.convert.safetensors_io import read_header, read_metadata, read_ref
+
+    folder, _ = small
+    st = folder / "model.safetensors"
+    assert read_metadata(st) == {"format": "pt"}
+    want = load_file(st)
+    for ref in read_header(st):
+        np.testing.assert_array_equal(read_ref(ref), want[ref.name])
+        if ref.shape and ref.shape[0] > 2:
+            np.testing.assert_array_equal(read_ref(ref, 1, 3), want[ref.name][1:3])
+
+
 @pytest.mark.parametrize(
     ("changes", "field", "fragment"),
     [
@@ -284,17 +318,45 @@ def test_header_overlapping_tensors(small):
         ({"num_key_value_heads": 3}, "num_key_value_heads", "multiple"),
         ({"architectures": ["MistralForCausalLM"]}, "architectures", "MistralForCausalLM"),
         ({"architectures": "LlamaForCausalLM"}, "architectures", "architectures"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling", "yarn"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_scaling.rope_type", "dynamic"),
         ({"hidden_act": "gelu"}, "hidden_act", "gelu"),
         ({"num_hidden_layers": 1}, "model.layers.1.input_layernorm.weight", "model.layers.1"),
-        ({"num_hidden_layers": 3}, "blk.2.attn_norm.weight", "blk.2.attn_norm.weight"),
-        ({"vocab_size": 50000}, "model.embed_tokens.weight", "50000"),
+        ({"num_hidden_layers": 3}, "model.layers.2.input_layernorm.weight", "blk.2.attn_norm.weight"),
+        ({"vocab_size": 50000}, "lm_head.weight", "50000"),  # the first tensor in the checkpoint
     ],
 )
 def test_bad_config(small, changes, field, fragment):
     folder, out = small
     _edit_config(folder, **changes)
     _refused(folder, out, HFImportError, fragment, field=field)
+
+
+def test_a_parameter_toy_has_no_place_for_must_be_neutral(made, converted, tmp_path):
+    """llama with ``attention_bias``: Hugging Face has Q/K/V and ``o_proj`` biases, toy (and its GGUF
+    tables) Q/K/V only. A non-zero ``o_proj`` bias is refused naming it; a zero one is dropped, and every
+    tensor written equals the converter's (which also writes the zero ``attn_output.bias``)."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = _copy(made("obias", arch="llama", attention_bias=True), tmp_path / "hf")
+    out = tmp_path / "out" / "m.gguf"
+    out.parent.mkdir()
+    _refused(
+        folder, out, HFImportError, "model.layers.0.self_attn.o_proj.bias", field="model.layers.0.self_attn.o_proj.bias"
+    )
+    st = folder / "model.safetensors"
+    tensors = load_file(st)
+    for k in tensors:
+        if k.endswith("o_proj.bias"):
+            tensors[k] = np.zeros_like(tensors[k])
+    save_file(tensors, st, metadata={"format": "pt"})
+    import_hf(folder, out, "f32", name=hf_llama_ref.MODEL_NAME)
+    ref = converted(folder, "f32")
+    with GGUFFile(ref) as a, GGUFFile(out) as b:
+        assert sorted(set(a.tensors) - set(b.tensors)) == [f"blk.{i}.attn_output.bias" for i in range(2)]
+        for n in b.tensors:
+            assert bytes(a.tensor_bytes(n)) == bytes(b.tensor_bytes(n)), n
+            if n.endswith("attn_q.bias"):
+                assert np.any(np.asarray(b.tensor_to_float(n)) != 0)
 
 
 def test_missing_tokenizer(small):
@@ -326,7 +388,7 @@ def test_bad_type_and_existing_out_untouched(small):
 def test_pre_tokenizer_names():
     """The names toy gives tokenizer.json pre-tokenizer definitions (the
     regexes are the ones HF's Llama 3 and Qwen2 tokenizer.json files carry)."""
-    from toy.convert.hf_import import pre_tokenizer_name
+    from toy.convert.hf_tokenizer import pre_tokenizer_name
 
     tail = r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
     llama3 = "(?i:'s|'t|'re|'ve|'m|'ll|'d)" + tail
@@ -362,7 +424,7 @@ def test_pre_tokenizer_of_toys_own_export(name):
     ``tokenizers`` library's own JSON of it) is named back the same."""
     from tokenizers import Tokenizer, models
 
-    from toy.convert.hf_import import pre_tokenizer_name
+    from toy.convert.hf_tokenizer import pre_tokenizer_name
     from toy.tokenizer.pretok import PRE_TOKENIZERS
 
     tok = Tokenizer(models.BPE(vocab={"a": 0}, merges=[]))
@@ -457,3 +519,49 @@ def test_peak_rss_135m_class(tmp_path):
     print(f"135M-class F32: {rec['bytes_out'] / 1e6:.0f} MB out, peak RSS {peak / 1e6:.0f} MB, {rec['seconds']:.1f} s")
     assert rec["bytes_out"] == out.stat().st_size > 500e6
     assert peak < 1.5 * rec["bytes_out"]
+
+
+# ------------------------------------------------------------------ 124M class
+
+
+def _same_file(a, b, chunk: int = 16 << 20) -> bool:
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            x, y = fa.read(chunk), fb.read(chunk)
+            if x != y:
+                return False
+            if not x:
+                return True
+
+
+@pytest.mark.slow
+def test_124m_class_llama_matches_the_converter(tmp_path):
+    """A GPT-2-small-sized llama (hidden 768, 12 layers, 12 heads with 4 KV
+    heads, intermediate 2304, GPT-2's 50257-token vocabulary, tied head;
+    121M parameters) imported in F32: every tensor's bytes (and the
+    whole file) equal llama.cpp's converter's."""
+    folder = hf_llama_ref.make_hf_llama(
+        tmp_path / "hf",
+        arch="llama",
+        tie=True,
+        hidden_size=768,
+        intermediate_size=2304,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        shards="150MB",
+    )
+    ref = hf_llama_ref.convert(folder, tmp_path / "ref.gguf", "f32")
+    out = tmp_path / "toy.gguf"
+    report = import_hf(folder, out, "f32", name=hf_llama_ref.MODEL_NAME)
+    assert report.tied and 120e6 < report.n_params < 130e6
+    with GGUFFile(ref) as a, GGUFFile(out) as b:
+        assert list(a.metadata) == list(b.metadata)
+        for k in a.metadata:
+            assert a.types[k] == b.types[k] and _values_equal(a.metadata[k], b.metadata[k]), k
+        assert list(a.tensors) == list(b.tensors)
+        for n, t in a.tensors.items():
+            assert (t.shape, t.dtype) == (b.tensors[n].shape, b.tensors[n].dtype), n
+            assert bytes(a.tensor_bytes(n)) == bytes(b.tensor_bytes(n)), n
+    assert _same_file(ref, out)

@@ -83,7 +83,7 @@ COMMANDS = {
     ),
     "convert": Lazy(
         _M + "convert",
-        "Import a Hugging Face model folder (llama, qwen2, qwen3) into a GGUF file, as llama.cpp's converter\n"
+        "Import a Hugging Face model folder (any architecture toy runs) into a GGUF file, as llama.cpp's converter\n"
         "writes it, or a PEFT LoRA adapter folder (with --base) into a llama.cpp adapter; writes OUT atomically.",
     ),
     "data": Lazy(

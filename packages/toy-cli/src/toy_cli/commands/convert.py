@@ -41,7 +41,7 @@ def convert(
     ] = None,
     as_json: JsonReport = False,
 ) -> None:
-    """Import a Hugging Face model folder (llama, qwen2, qwen3) into a GGUF file, as llama.cpp's converter
+    """Import a Hugging Face model folder (any architecture toy runs) into a GGUF file, as llama.cpp's converter
     writes it, or a PEFT LoRA adapter folder (with --base) into a llama.cpp adapter; writes OUT atomically."""
     from toy_cli.commands.convert_peft import convert_peft, is_peft_folder
 

@@ -12,8 +12,9 @@
   tensor at a time (``toy.convert.safetensors_io``).
 """
 
+from toy.convert.hf_common import HFImportError
 from toy.convert.hf_export import ExportReport, HFExportError, export_hf
-from toy.convert.hf_import import HFImportError, ImportReport, import_hf
+from toy.convert.hf_import import ImportReport, import_hf
 from toy.convert.peft import PeftAdapterError, export_peft, import_peft
 from toy.convert.safetensors_io import SafetensorsError, SafetensorsFolder
 

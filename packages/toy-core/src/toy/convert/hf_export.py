@@ -11,6 +11,13 @@ template, ``special_tokens_map.json``: ``toy.tokenizer.export``) and
 llama, qwen2, qwen3, gpt2, gemma2, gemma3 (as ``Gemma3ForCausalLM``, the
 text model), olmoe, qwen2moe and qwen3moe.
 
+This module knows no architecture: the family of ``general.architecture``
+(``toy.models.hf_family``) gives the table (``HFFamily.tensors``: Hugging
+Face name, GGUF name, operation), ``config.json``'s fields
+(``HFFamily.config_to_hf``, RoPE scaling from ``rope_scaling_to_hf``) and
+the class written (``export_class``). The generated reference
+(docs/reference/hf-mapping.md) prints the tables.
+
 How each tensor is written:
 
 - F32, F16 and BF16 tensors keep their type and bytes (safetensors allows a
@@ -18,19 +25,17 @@ How each tensor is written:
   through llama.cpp's converter with the same ``--outtype`` gives the same
   bytes back. Quantized tensors are dequantized to F32 (through ggml); the
   report lists them.
-- llama: llama.cpp's converter interleaves the rows of each Q and K head
-  (rotary pairs next to each other, ggml's "normal" RoPE); the export undoes
-  it, back to the halves layout Hugging Face's rotary embedding uses.
-  qwen2/qwen3 files use the halves layout already ("neox") and are copied.
-- gpt2: Hugging Face keeps GPT-2's projections as ``Conv1D`` (in, out)
-  matrices; the export transposes them back.
-- gemma2/gemma3: llama.cpp stores the RMSNorm gains as ``1 + w``; the
-  export writes ``w`` (in F32), as Hugging Face's Gemma norms add the 1.
-  The attention scale goes back as ``query_pre_attn_scalar``. Gemma 2's
-  attention soft-cap needs ``attn_implementation="eager"`` in transformers
-  (its default SDPA path drops it).
-- olmoe/qwen2moe/qwen3moe: the stacked 3-D expert tensors are split into
-  Hugging Face's per-expert matrices (a quantized one is dequantized once).
+- The inverse of each row's operation: ``rope_pairs`` puts each head's
+  interleaved Q/K rows back into Hugging Face's halves; ``transpose``
+  transposes back (GPT-2's ``Conv1D``); ``plus_one`` subtracts 1 in F32
+  (Gemma's norm gains).
+- A row with ``expert=j`` is expert ``j``'s matrix of a stacked 3-D tensor
+  (a quantized one is dequantized once for all its experts).
+- A row without a GGUF tensor (``fill``) is written as its constant: a
+  zero bias or a unit norm Hugging Face's class has and the file lacks.
+- A tensor the exported ``config.json`` recomputes (llama3's
+  ``rope_freqs.weight``) is not written; the export checks that the
+  config gives it back exactly.
 
 The safetensors files are written here, streaming one tensor at a time
 (header first: every shape and type is known from the GGUF index), so the
@@ -39,11 +44,10 @@ transformers. The folder appears complete or not at all: everything is
 written into a temporary sibling folder that is renamed onto ``folder``
 (which must not exist or be empty) at the end.
 
-Refused with ``HFExportError`` (naming the field): an architecture outside
-the registry, RoPE scaling other than linear (YaRN, llama3), partial rotary
-dimensions, a RoPE attention factor, QK-norm or biases on a family whose
-Hugging Face class has none, a qwen2moe model without a shared expert, and
-any tensor the exporter does not map (it refuses rather than drop it).
+Refused with ``HFExportError`` (naming the field): an architecture
+without a Hugging Face family, what a family's ``config_to_hf`` cannot
+express (its ``HFMappingError``), and any tensor the table does not map
+(it refuses rather than drop it).
 """
 
 from __future__ import annotations
@@ -51,8 +55,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,11 +62,12 @@ from typing import Any
 import numpy as np
 
 import toy_ggml
+from toy.convert.safetensors_io import write_safetensors
 from toy.errors import BadInputError
+from toy.models.hf import HFMappingError, HFTensor
 
 # above this many bytes of weights the safetensors file is split (transformers' default shard size)
 DEFAULT_SHARD_BYTES = 5 * 10**9
-SUPPORTED = ("llama", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3", "olmoe", "qwen2moe", "qwen3moe")
 
 _T = toy_ggml.GGMLType
 # GGUF float type -> (safetensors dtype, NumPy view of the raw bytes, bytes per element)
@@ -104,35 +107,27 @@ class ExportReport:
         }
 
 
-# a transform of one tensor's array (NumPy order) on the way out
-Transform = Callable[[np.ndarray], np.ndarray]
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The inverse of the import's ``rope_pairs`` for ``n_head`` heads: within
+    a head the converter moved row ``j`` of the second half next to row ``j``
+    of the first (pairs); this puts the halves back."""
+    rows = w.shape[0]
+    out: np.ndarray = w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return out
 
 
-@dataclass(frozen=True)
-class _Entry:
-    hf_name: str
-    gguf_name: str | None  # None: a tensor Hugging Face needs that the file does not carry (``fill``)
-    transform: Transform | None = None
-    fill: tuple[tuple[int, ...], float] | None = None  # (shape, value) when gguf_name is None
-    as_f32: bool = False  # computed on (the transform does arithmetic): read as float32 whatever the type
-    index: int | None = None  # one expert's matrix of a 3-D experts tensor
-
-
-def _unpermute(n_head: int) -> Transform:
-    """The inverse of llama.cpp's Q/K row permutation for ``n_head`` heads:
-    within a head the converter moves row ``j`` of the second half next to
-    row ``j`` of the first (pairs), this puts the halves back."""
-
-    def undo(w: np.ndarray) -> np.ndarray:
-        rows = w.shape[0]
-        out: np.ndarray = w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+def undo_op(w: np.ndarray, op: str, heads: int) -> np.ndarray:
+    """One operation of ``toy.models.hf.OPS`` in the export direction."""
+    if op == "":
+        return w
+    if op == "rope_pairs":
+        return unpermute_rows(w, heads)
+    if op == "transpose":
+        return np.ascontiguousarray(w.T)
+    if op == "plus_one":  # computed in float32 (the GGUF norm gains are F32)
+        out: np.ndarray = (w.astype(np.float32) - np.float32(1.0)).astype(np.float32)
         return out
-
-    return undo
-
-
-def _transpose(w: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(w.T)
+    raise ValueError(f"unknown op {op!r}")
 
 
 def _meta_int(metadata: dict[str, Any], key: str) -> int | None:
@@ -140,330 +135,92 @@ def _meta_int(metadata: dict[str, Any], key: str) -> int | None:
     return int(v) if isinstance(v, (int, np.integer)) else None
 
 
-def _llama_plan(arch: str, cfg: Any, tensors: dict[str, Any]) -> tuple[list[_Entry], dict[str, Any]]:
-    key = f"{arch}.rope"
-    if cfg.rope_scaling not in (None, "linear"):
-        raise HFExportError(
-            f"{key}.scaling.type = {cfg.rope_scaling!r} cannot be exported yet (only none and linear)",
-            hint="export a model without RoPE scaling, or one with linear scaling",
-            field=f"{key}.scaling.type",
-        )
-    if cfg.rope_attn_factor != 1.0:
-        raise HFExportError(
-            f"{key}.scaling.attn_factor = {cfg.rope_attn_factor} has no Hugging Face {arch} equivalent",
-            hint="export a model whose attention factor is 1",
-            field=f"{key}.scaling.attn_factor",
-        )
-    if cfg.rope_dims != cfg.head_dim:
-        raise HFExportError(
-            f"{key}.dimension_count = {cfg.rope_dims} rotates part of each head (head size {cfg.head_dim}); "
-            f"Hugging Face's {arch} rotates whole heads",
-            hint="only models whose rotary dimensions equal the head size can be exported",
-            field=f"{key}.dimension_count",
-        )
-    if cfg.qk_norm and arch not in ("qwen3", "qwen3moe", "olmoe"):
-        raise HFExportError(
-            f"the {arch} model has QK-norm tensors (attn_q_norm/attn_k_norm), which Hugging Face's {arch} lacks",
-            hint="export it as qwen3 (general.architecture = qwen3), whose class has per-head QK-norm",
-            field="general.architecture",
-        )
-    if cfg.qk_norm_full != (arch == "olmoe"):  # Hugging Face: olmoe normalises whole projections, qwen3 heads
-        raise HFExportError(f"the {arch} model's QK-norm layout has no Hugging Face {arch} equivalent",
-                            field="general.architecture")  # fmt: skip
-    if arch == "olmoe" and cfg.n_head * cfg.head_dim != cfg.d_model:
-        raise HFExportError(
-            f"olmoe with head_count * key_length = {cfg.n_head * cfg.head_dim} != embedding_length {cfg.d_model}: "
-            "Hugging Face's olmoe sizes its QK-norm by the embedding length",
-            field="olmoe.attention.key_length",
-        )
-    if arch == "qwen2moe" and not cfg.d_ff_shared:
-        raise HFExportError("a qwen2moe model without a shared expert has no Hugging Face equivalent",
-                            field="qwen2moe.expert_shared_feed_forward_length")  # fmt: skip
-    H, Hkv, D, d = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.d_model
-    permuted = arch == "llama"  # the converter permutes llama's Q/K rows only
-    # Hugging Face's qwen2 always has q/k/v biases; llama has one switch for q/k/v/o biases
-    bias_qkv = cfg.qkv_bias or arch in ("qwen2", "qwen2moe")
-    bias_o = cfg.qkv_bias and arch == "llama"
-    if cfg.qkv_bias and arch in ("qwen3", "qwen3moe", "olmoe"):
-        raise HFExportError(f"the {arch} model has Q/K/V biases, which Hugging Face's {arch} lacks",
-                            field="general.architecture")  # fmt: skip
-    out = [_Entry("model.embed_tokens.weight", "token_embd.weight")]
-    for i in range(cfg.n_layer):
-        g, h = f"blk.{i}", f"model.layers.{i}"
-        out.append(_Entry(f"{h}.input_layernorm.weight", f"{g}.attn_norm.weight"))
-        for x, n in (("q", H), ("k", Hkv), ("v", Hkv)):
-            undo = _unpermute(n) if permuted and x != "v" else None
-            out.append(_Entry(f"{h}.self_attn.{x}_proj.weight", f"{g}.attn_{x}.weight", undo))
-            if bias_qkv:
-                b = f"{g}.attn_{x}.bias"
-                out.append(
-                    _Entry(f"{h}.self_attn.{x}_proj.bias", b, undo)
-                    if b in tensors
-                    else _Entry(f"{h}.self_attn.{x}_proj.bias", None, fill=((n * D,), 0.0))
-                )
-        out.append(_Entry(f"{h}.self_attn.o_proj.weight", f"{g}.attn_output.weight"))
-        if bias_o:
-            out.append(_Entry(f"{h}.self_attn.o_proj.bias", None, fill=((d,), 0.0)))
-        if arch in ("qwen3", "qwen3moe", "olmoe"):
-            for x, n_heads in (("q", H), ("k", Hkv)):
-                n = f"{g}.attn_{x}_norm.weight"
-                size = n_heads * D if arch == "olmoe" else D
-                out.append(
-                    _Entry(f"{h}.self_attn.{x}_norm.weight", n)
-                    if n in tensors
-                    else _Entry(f"{h}.self_attn.{x}_norm.weight", None, fill=((size,), 1.0))
-                )
-        out.append(_Entry(f"{h}.post_attention_layernorm.weight", f"{g}.ffn_norm.weight"))
-        if cfg.n_expert:
-            out.append(_Entry(f"{h}.mlp.gate.weight", f"{g}.ffn_gate_inp.weight"))
-            for hf, gg in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
-                out += [
-                    _Entry(f"{h}.mlp.experts.{j}.{hf}.weight", f"{g}.{gg}.weight", index=j) for j in range(cfg.n_expert)
-                ]
-            if cfg.d_ff_shared:
-                out.append(_Entry(f"{h}.mlp.shared_expert_gate.weight", f"{g}.ffn_gate_inp_shexp.weight"))
-                for hf, gg in (
-                    ("gate_proj", "ffn_gate_shexp"),
-                    ("up_proj", "ffn_up_shexp"),
-                    ("down_proj", "ffn_down_shexp"),
-                ):
-                    out.append(_Entry(f"{h}.mlp.shared_expert.{hf}.weight", f"{g}.{gg}.weight"))
+def _mapping_error(e: HFMappingError) -> HFExportError:
+    return HFExportError(str(e), e.hint, field=e.field)
+
+
+def _plan(gf: Any, arch: str, family: Any) -> tuple[Any, list[HFTensor], dict[str, Any]]:
+    """(toy config, the rows written, config.json's architecture fields) of the open GGUF ``gf``."""
+    from toy import models
+
+    cfg = models.config_from_gguf(gf)
+    try:
+        rows = family.tensors(arch, cfg)
+        config = family.config_to_hf(arch, cfg)
+        if family.rope_scaling_to_hf is not None:
+            freqs = gf.tensor_to_float("rope_freqs.weight") if "rope_freqs.weight" in gf.tensors else None
+            config["rope_scaling"] = family.rope_scaling_to_hf(arch, cfg, gf.metadata, freqs)
+        extra = family.extra_tensors(arch, config) if family.extra_tensors is not None else []
+    except HFMappingError as e:
+        raise _mapping_error(e) from None
+    written = []
+    for r in rows:
+        if r.gguf is None:
+            if r.fill is not None:
+                written.append(r)  # a parameter Hugging Face needs and the file lacks: a constant
             continue
-        for hf, gg in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
-            out.append(_Entry(f"{h}.mlp.{hf}.weight", f"{g}.{gg}.weight"))
-    out.append(_Entry("model.norm.weight", "output_norm.weight"))
-    if not cfg.tied_output:
-        out.append(_Entry("lm_head.weight", "output.weight"))
-    config: dict[str, Any] = {
-        "model_type": _MODEL_TYPE.get(arch, arch),
-        "vocab_size": cfg.n_vocab,
-        "hidden_size": d,
-        "intermediate_size": cfg.d_ff_expert if arch == "olmoe" else cfg.d_ff,
-        "num_hidden_layers": cfg.n_layer,
-        "num_attention_heads": H,
-        "num_key_value_heads": Hkv,
-        "head_dim": D,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.context_length or 2048,
-        "rms_norm_eps": cfg.rms_eps,
-        "rope_theta": cfg.rope_base,
-        "rope_scaling": (
-            {"rope_type": "linear", "factor": 1.0 / cfg.rope_freq_scale} if cfg.rope_scaling == "linear" else None
-        ),
-        "tie_word_embeddings": cfg.tied_output,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "use_cache": True,
-    }
-    if arch in ("llama", "qwen3", "qwen3moe", "olmoe"):
-        config["attention_bias"] = bias_o if arch == "llama" else False
-    if arch == "llama":
-        config["mlp_bias"] = False
-        config["pretraining_tp"] = 1
-    elif arch != "olmoe":
-        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layer)
-    if cfg.n_expert:
-        config.update(
-            num_experts=cfg.n_expert,
-            num_experts_per_tok=cfg.n_expert_used,
-            norm_topk_prob=cfg.expert_weights_norm,
-            output_router_logits=False,
-            router_aux_loss_coef=0.01,
-        )
-        if arch == "olmoe":
-            config["clip_qkv"] = None
-        else:
-            config.update(moe_intermediate_size=cfg.d_ff_expert, decoder_sparse_step=1, mlp_only_layers=[])
-        if arch == "qwen2moe":
-            config["shared_expert_intermediate_size"] = cfg.d_ff_shared
-    return out, config
-
-
-_MODEL_TYPE = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
-
-
-def _gpt2_plan(cfg: Any, tensors: dict[str, Any]) -> tuple[list[_Entry], dict[str, Any]]:
-    out = [
-        _Entry("transformer.wte.weight", "token_embd.weight"),
-        _Entry("transformer.wpe.weight", "position_embd.weight"),
-    ]
-    for i in range(cfg.n_layer):
-        g, h = f"blk.{i}", f"transformer.h.{i}"
-        for hf, gg in (("ln_1", "attn_norm"), ("ln_2", "ffn_norm")):
-            out += [_Entry(f"{h}.{hf}.weight", f"{g}.{gg}.weight"), _Entry(f"{h}.{hf}.bias", f"{g}.{gg}.bias")]
-        for hf, gg in (
-            ("attn.c_attn", "attn_qkv"),
-            ("attn.c_proj", "attn_output"),
-            ("mlp.c_fc", "ffn_up"),
-            ("mlp.c_proj", "ffn_down"),
-        ):
-            out += [
-                _Entry(f"{h}.{hf}.weight", f"{g}.{gg}.weight", _transpose),
-                _Entry(f"{h}.{hf}.bias", f"{g}.{gg}.bias"),
-            ]
-    out += [
-        _Entry("transformer.ln_f.weight", "output_norm.weight"),
-        _Entry("transformer.ln_f.bias", "output_norm.bias"),
-    ]
-    if not cfg.tied_output:
-        out.append(_Entry("lm_head.weight", "output.weight"))
-    config = {
-        "model_type": "gpt2",
-        "vocab_size": cfg.n_vocab,
-        "n_positions": cfg.n_ctx_train,
-        "n_ctx": cfg.n_ctx_train,
-        "n_embd": cfg.d_model,
-        "n_layer": cfg.n_layer,
-        "n_head": cfg.n_head,
-        "n_inner": cfg.d_ff,
-        "activation_function": "gelu_new",
-        "layer_norm_epsilon": cfg.norm_eps,
-        "tie_word_embeddings": cfg.tied_output,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-        "initializer_range": 0.02,
-        "scale_attn_weights": True,
-        "use_cache": True,
-    }
-    return out, config
-
-
-def _gemma_minus_one(w: np.ndarray) -> np.ndarray:
-    """llama.cpp stores Gemma's RMSNorm gains as 1 + w; Hugging Face's Gemma norms add the 1 themselves."""
-    out: np.ndarray = (w - np.float32(1.0)).astype(np.float32)
-    return out
-
-
-def _gemma_plan(arch: str, cfg: Any, tensors: dict[str, Any]) -> tuple[list[_Entry], dict[str, Any]]:
-    if arch == "gemma3" and cfg.attn_softcap:
-        raise HFExportError("a gemma3 model with attention logit soft-capping has no Hugging Face equivalent",
-                            field="gemma3.attn_logit_softcapping")  # fmt: skip
-    if arch == "gemma2" and cfg.rope_freq_scale != 1.0:
-        raise HFExportError("RoPE scaling on gemma2 cannot be exported (Hugging Face's gemma2 has none)",
-                            field="gemma2.rope.scaling.type")  # fmt: skip
-    if arch == "gemma2" and cfg.qk_norm:
-        raise HFExportError("the gemma2 model has QK-norm tensors, which Hugging Face's gemma2 lacks",
-                            hint="export it as gemma3", field="general.architecture")  # fmt: skip
-    if any(cfg.swa_layers) and not cfg.sliding_window:
-        raise HFExportError(f"{arch}.attention.sliding_window is 0 while layers slide",
-                            field=f"{arch}.attention.sliding_window")  # fmt: skip
-
-    def norm(hf: str, gg: str) -> _Entry:
-        return _Entry(hf, gg, _gemma_minus_one, as_f32=True)
-
-    out = [_Entry("model.embed_tokens.weight", "token_embd.weight")]
-    for i in range(cfg.n_layer):
-        g, h = f"blk.{i}", f"model.layers.{i}"
-        out.append(norm(f"{h}.input_layernorm.weight", f"{g}.attn_norm.weight"))
-        for x in "qkv":
-            out.append(_Entry(f"{h}.self_attn.{x}_proj.weight", f"{g}.attn_{x}.weight"))
-        if arch == "gemma3":
-            for x in "qk":
-                n = f"{g}.attn_{x}_norm.weight"
-                out.append(
-                    norm(f"{h}.self_attn.{x}_norm.weight", n)
-                    if n in tensors
-                    else _Entry(f"{h}.self_attn.{x}_norm.weight", None, fill=((cfg.head_dim,), 0.0))
+        if r.gguf in gf.tensors:
+            written.append(r)
+        elif not r.optional:
+            raise HFExportError(
+                f"the {arch} model lacks tensor {r.gguf!r} (Hugging Face's {r.hf})",
+                hint="the file is not a complete model of its architecture",
+                field=r.gguf,
+            )
+    # tensors the exported config.json recomputes (llama3's rope_freqs.weight) must come back exactly
+    # (within 1e-6 relative: the converter's float32 pow is not always correctly rounded, toy.models.rope_hf)
+    derived = set()
+    for n, a in extra:
+        if n in gf.tensors:
+            want, got = np.asarray(a, np.float32), gf.tensor_to_float(n)
+            if want.size != got.size or not np.allclose(got.reshape(want.shape), want, rtol=1e-6, atol=0):
+                raise HFExportError(
+                    f"tensor {n!r} differs from what config.json's rope_scaling gives back",
+                    hint="the file's tensor cannot be expressed in Hugging Face's config; it refuses rather than "
+                    "change the model",
+                    field=n,
                 )
-        out.append(_Entry(f"{h}.self_attn.o_proj.weight", f"{g}.attn_output.weight"))
-        out.append(norm(f"{h}.post_attention_layernorm.weight", f"{g}.post_attention_norm.weight"))
-        out.append(norm(f"{h}.pre_feedforward_layernorm.weight", f"{g}.ffn_norm.weight"))
-        for hf, gg in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
-            out.append(_Entry(f"{h}.mlp.{hf}.weight", f"{g}.{gg}.weight"))
-        out.append(norm(f"{h}.post_feedforward_layernorm.weight", f"{g}.post_ffw_norm.weight"))
-    out.append(norm("model.norm.weight", "output_norm.weight"))
-    if not cfg.tied_output:
-        out.append(_Entry("lm_head.weight", "output.weight"))
-    swa = cfg.swa_layers or (False,) * cfg.n_layer
-    config: dict[str, Any] = {
-        "model_type": "gemma2" if arch == "gemma2" else "gemma3_text",
-        "vocab_size": cfg.n_vocab,
-        "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.d_ff,
-        "num_hidden_layers": cfg.n_layer,
-        "num_attention_heads": cfg.n_head,
-        "num_key_value_heads": cfg.n_head_kv,
-        "head_dim": cfg.head_dim,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "max_position_embeddings": cfg.context_length or 8192,
-        "rms_norm_eps": cfg.rms_eps,
-        "rope_theta": cfg.rope_base,
-        # the attention scale is 1/sqrt(query_pre_attn_scalar): toy's (llama.cpp's) choice of n, back
-        "query_pre_attn_scalar": round(1.0 / cfg.attn_scale**2),
-        "sliding_window": cfg.sliding_window or None,
-        "layer_types": ["sliding_attention" if s else "full_attention" for s in swa],
-        "final_logit_softcapping": cfg.final_softcap or None,
-        "attn_logit_softcapping": cfg.attn_softcap or None,
-        "tie_word_embeddings": cfg.tied_output,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "use_cache": True,
-    }
-    if arch == "gemma3":
-        config["rope_local_base_freq"] = cfg.rope_base_swa
-        config["rope_scaling"] = (
-            {"rope_type": "linear", "factor": 1.0 / cfg.rope_freq_scale} if cfg.rope_freq_scale != 1.0 else None
+            derived.add(n)
+    left = sorted(set(gf.tensors) - {r.gguf for r in written} - derived)
+    if left:
+        raise HFExportError(
+            f"tensor {left[0]!r} has no place in Hugging Face's {arch}"
+            + (f" (and {len(left) - 1} more)" if len(left) > 1 else ""),
+            hint="the file carries tensors toy's exporter does not map; it refuses rather than drop them",
+            field=left[0],
         )
-    elif cfg.rope_base_swa != cfg.rope_base:
-        raise HFExportError("gemma2 with a sliding-window RoPE base other than the global one cannot be exported",
-                            field="gemma2.rope.freq_base_swa")  # fmt: skip
-    return out, config
+    return cfg, written, config
 
 
-_HF_CLASS = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gpt2": "GPT2LMHeadModel",
-    "gemma2": "Gemma2ForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-    "olmoe": "OlmoeForCausalLM",
-    "qwen2moe": "Qwen2MoeForCausalLM",
-    "qwen3moe": "Qwen3MoeForCausalLM",
-}
-
-
-def _plan(arch: str, cfg: Any, tensors: dict[str, Any]) -> tuple[list[_Entry], dict[str, Any]]:
-    if arch == "gpt2":
-        return _gpt2_plan(cfg, tensors)
-    if arch in ("gemma2", "gemma3"):
-        return _gemma_plan(arch, cfg, tensors)
-    return _llama_plan(arch, cfg, tensors)
-
-
-def _out_type(gf: Any, e: _Entry) -> tuple[str, tuple[int, ...], bool]:
-    """(safetensors dtype, Hugging Face shape, dequantized?) of one entry."""
-    if e.gguf_name is None:
-        assert e.fill is not None
-        return "F32", e.fill[0], False
-    t = gf.tensors[e.gguf_name]
-    shape = tuple(t.shape) if e.index is None else tuple(t.shape[1:])
-    if e.transform is _transpose:
+def _out_type(gf: Any, r: HFTensor) -> tuple[str, tuple[int, ...], bool]:
+    """(safetensors dtype, Hugging Face shape, dequantized?) of one row."""
+    if r.gguf is None:
+        return "F32", tuple(r.fill_shape), False
+    t = gf.tensors[r.gguf]
+    shape = tuple(t.shape) if r.expert is None else tuple(t.shape[1:])
+    if r.op == "transpose":
         shape = shape[::-1]
     f = _FLOATS.get(int(t.dtype))
-    return (f[0] if f and not e.as_f32 else "F32"), shape, f is None
+    return (f[0] if f and r.op != "plus_one" else "F32"), shape, f is None
 
 
-def _array(gf: Any, e: _Entry, last: dict[str, np.ndarray]) -> np.ndarray:
-    """One entry's array. ``last`` keeps the previous dequantized tensor, so that the experts of one 3-D
-    tensor (consecutive entries) dequantize it once."""
-    if e.gguf_name is None:
-        assert e.fill is not None
-        return np.full(e.fill[0], e.fill[1], np.float32)
-    t = gf.tensors[e.gguf_name]
+def _array(gf: Any, r: HFTensor, last: dict[str, np.ndarray]) -> np.ndarray:
+    """One row's array. ``last`` keeps the previous dequantized tensor, so that the experts of one 3-D
+    tensor (consecutive rows) dequantize it once."""
+    if r.gguf is None:
+        return np.full(tuple(r.fill_shape), r.fill, np.float32)
+    t = gf.tensors[r.gguf]
     f = _FLOATS.get(int(t.dtype))
-    if f is None or e.as_f32:
-        if e.gguf_name not in last:
+    if f is None or r.op == "plus_one":
+        if r.gguf not in last:
             last.clear()
-            last[e.gguf_name] = gf.tensor_to_float(e.gguf_name)
-        a = last[e.gguf_name]
+            last[r.gguf] = gf.tensor_to_float(r.gguf)
+        a = last[r.gguf]
     else:
-        a = np.frombuffer(gf.tensor_bytes(e.gguf_name), dtype=f[1]).reshape(t.shape)
-    if e.index is not None:
-        a = a[e.index]
-    return e.transform(a) if e.transform is not None else a
+        a = np.frombuffer(gf.tensor_bytes(r.gguf), dtype=f[1]).reshape(t.shape)
+    if r.expert is not None:
+        a = a[r.expert]
+    return undo_op(a, r.op, r.heads)
 
 
 _ITEM = {"F32": 4, "F16": 2, "BF16": 2}
@@ -480,28 +237,6 @@ def _shards(sizes: list[int], limit: int) -> list[list[int]]:
         out[-1].append(i)
         used += n
     return out
-
-
-def _write_safetensors(
-    path: Path, items: list[tuple[str, str, tuple[int, ...], int]], arrays: Iterator[np.ndarray]
-) -> None:
-    """Write one safetensors file: ``items`` (name, dtype, shape, nbytes) give the header; ``arrays`` the
-    data, one at a time, in the same order."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, dtype, shape, nbytes in items:
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for (name, _, shape, nbytes), a in zip(items, arrays, strict=True):
-            data = np.ascontiguousarray(a).tobytes()
-            if len(data) != nbytes or tuple(a.shape) != tuple(shape):  # a bug here must not write a wrong file
-                raise AssertionError(f"{name}: {a.shape} / {len(data)} bytes, planned {shape} / {nbytes}")
-            f.write(data)
 
 
 def _check_folder(folder: Path) -> None:
@@ -529,34 +264,30 @@ def export_hf(
     _check_folder(dest)
     with GGUFFile(model_path) as gf:
         arch = gf.architecture
-        if arch not in SUPPORTED:
+        family = None
+        if arch in models.registered() and models.language_model(arch) and getattr(models.get(arch), "hf", None):
+            family = models.hf_family(arch)
+        if family is None or arch is None or arch not in family.export_class:
             known = arch in models.registered()
+            exportable = [a for f in models.hf_families() for a in f.export_class]
             raise HFExportError(
                 f"{gf.path if hasattr(gf, 'path') else model_path}: general.architecture = {arch!r} "
                 + ("cannot be exported to Hugging Face yet" if known else "is not a model toy knows"),
-                hint=f"exportable architectures: {', '.join(SUPPORTED)}",
+                hint=f"exportable architectures: {', '.join(exportable)}",
                 field="general.architecture",
             )
-        cfg = models.config_from_gguf(gf)
-        entries, config = _plan(arch, cfg, dict(gf.tensors))
-        extra = sorted(set(gf.tensors) - {e.gguf_name for e in entries} - {"rope_freqs.weight"})
-        if extra:
-            raise HFExportError(
-                f"tensor {extra[0]!r} has no place in Hugging Face's {arch}"
-                + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""),
-                hint="the file carries tensors toy's exporter does not map; it refuses rather than drop them",
-                field=extra[0],
-            )
+        cfg, entries, config = _plan(gf, arch, family)
+        hf_class = family.export_class[arch]
         tok = Tokenizer.from_gguf(gf.metadata)
         template = ChatTemplate.from_gguf(gf.metadata)
         meta = gf.metadata
         specials = {k: _meta_int(meta, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "pad")}
         plans = [_out_type(gf, e) for e in entries]
         dtypes = {p[0] for p in plans}
-        report = ExportReport(dest, arch, _HF_CLASS[arch])
-        report.dequantized = [e.gguf_name for e, p in zip(entries, plans, strict=True) if p[2] and e.gguf_name]
+        report = ExportReport(dest, arch, hf_class)
+        report.dequantized = list(dict.fromkeys(e.gguf for e, p in zip(entries, plans, strict=True) if p[2] and e.gguf))
         config = {
-            "architectures": [_HF_CLASS[arch]],
+            "architectures": [hf_class],
             **config,
             "bos_token_id": specials["bos"],
             "eos_token_id": specials["eos"],
@@ -570,7 +301,7 @@ def export_hf(
             n = _ITEM[dtype]
             for s in shape:
                 n *= s
-            items.append((e.hf_name, dtype, shape, n))
+            items.append((e.hf, dtype, shape, n))
         groups = _shards([it[3] for it in items], shard_bytes)
 
         tmp = dest.parent / f".{dest.name}.export-{os.getpid()}"
@@ -583,7 +314,7 @@ def export_hf(
             for k, idx in enumerate(groups, 1):
                 name = "model.safetensors" if len(groups) == 1 else f"model-{k:05d}-of-{len(groups):05d}.safetensors"
                 last: dict[str, np.ndarray] = {}
-                _write_safetensors(tmp / name, [items[i] for i in idx], (_array(gf, entries[i], last) for i in idx))
+                write_safetensors(tmp / name, [items[i] for i in idx], (_array(gf, entries[i], last) for i in idx))
                 names.append(name)
                 weight_map.update({items[i][0]: name for i in idx})
             total = sum(it[3] for it in items)
@@ -609,4 +340,4 @@ def export_hf(
     return report
 
 
-__all__ = ["DEFAULT_SHARD_BYTES", "SUPPORTED", "ExportReport", "HFExportError", "export_hf"]
+__all__ = ["DEFAULT_SHARD_BYTES", "ExportReport", "HFExportError", "export_hf", "undo_op", "unpermute_rows"]

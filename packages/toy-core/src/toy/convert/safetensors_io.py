@@ -14,6 +14,12 @@ anything is written. ``read(name)`` then maps only that tensor's bytes
 unmaps, so the resident memory of a conversion stays near one tensor, not
 the model.
 
+One file alone: ``read_header(path)`` (the checked tensor table; the
+tensors must tile the data section exactly, as the safetensors library
+requires), ``read_metadata(path)`` (its ``__metadata__``) and
+``read_ref(ref, start, stop)`` (rows of one tensor). ``write_safetensors``
+writes a file streaming, one array at a time (the export and PEFT's).
+
 BF16 has no NumPy dtype: its 16 bits are the top half of a float32, so
 ``read`` returns it widened to float32 by a 16-bit shift (exact). F16 is
 returned as float16, F32 as float32.
@@ -28,8 +34,10 @@ import json
 import mmap
 import os
 import struct
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -76,8 +84,8 @@ def _bad(path: Path, what: str, hint: str | None = None) -> SafetensorsError:
     )
 
 
-def read_header(path: Path) -> list[TensorRef]:
-    """The checked tensor table of one safetensors file, in header order."""
+def _load_header(path: Path) -> tuple[dict[str, Any], int, int]:
+    """(the JSON header, where the data starts, the file's size) of one file."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -96,7 +104,26 @@ def read_header(path: Path) -> list[TensorRef]:
         raise _bad(path, f"header is not JSON ({e})") from None
     if not isinstance(header, dict):
         raise _bad(path, "header is not a JSON object")
-    base = 8 + n
+    return header, 8 + n, size
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
+    """The ``__metadata__`` of one safetensors file (string keys and values; empty when it has none)."""
+    p = Path(path)
+    header, _, _ = _load_header(p)
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise _bad(p, "__metadata__ is not an object of strings")
+    return dict(meta)
+
+
+def read_header(path: Path) -> list[TensorRef]:
+    """The checked tensor table of one safetensors file, in header order:
+    every dtype known, every byte range the size of its shape, and the
+    ranges tiling the data section exactly (no overlap, no gap, nothing
+    after the last tensor), as the safetensors library requires."""
+    path = Path(path)
+    header, base, size = _load_header(path)
     refs: list[TensorRef] = []
     for name, info in header.items():
         if name == "__metadata__":
@@ -140,7 +167,49 @@ def read_header(path: Path) -> list[TensorRef]:
     for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise _bad(path, f"tensors {n0!r} and {n1!r} overlap in the file (the header lies about offsets)")
+    end = base
+    for b, e, name in spans:
+        if b != end:
+            raise _bad(path, f"tensor {name!r} starts at byte {b}, after a gap from byte {end} (data_offsets lie)")
+        end = e
+    if end != size:
+        raise _bad(path, f"{size - end} bytes after the last tensor (the header does not describe the whole file)")
     return refs
+
+
+def read_ref(ref: TensorRef, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """Rows ``start:stop`` (of the first axis; a 0-d tensor has one; all by
+    default) of the tensor ``ref`` points at, as float32 (F32, BF16 widened)
+    or float16 (F16), NumPy order: only those rows' bytes are mapped, and
+    unmapped before this returns."""
+    np_dtype = _DTYPES[ref.dtype][0]
+    rows = ref.shape[0] if ref.shape else 1
+    stop = rows if stop is None else stop
+    if not 0 <= start <= stop <= rows:
+        raise ValueError(f"rows {start}:{stop} of {ref.name!r} ({rows} rows)")
+    shape = (stop - start, *ref.shape[1:]) if ref.shape else ref.shape
+    row_bytes = ref.nbytes // rows if rows else 0
+    nbytes = (stop - start) * row_bytes
+    count = nbytes // np.dtype(np_dtype).itemsize
+    if nbytes == 0:
+        out = np.zeros(shape, dtype=np_dtype)
+    else:
+        first = ref.offset + start * row_bytes
+        base = first - first % mmap.ALLOCATIONGRANULARITY
+        skip = first - base
+        try:
+            with (
+                open(ref.file, "rb") as f,
+                mmap.mmap(f.fileno(), skip + nbytes, access=mmap.ACCESS_READ, offset=base) as m,
+            ):
+                view = np.frombuffer(m, dtype=np_dtype, count=count, offset=skip)
+                out = view.reshape(shape).copy()
+                del view
+        except (OSError, ValueError) as e:
+            raise _bad(ref.file, f"tensor {ref.name!r}: cannot map its bytes ({e})") from None
+    if ref.dtype == "BF16":
+        return (out.astype(np.uint32) << 16).view(np.float32)
+    return out
 
 
 class SafetensorsFolder:
@@ -201,31 +270,32 @@ class SafetensorsFolder:
         ``read`` gives the whole tensor: only those rows' bytes are mapped,
         and unmapped before this returns, so converting a tensor in blocks of
         rows keeps neither the whole source nor a whole copy resident."""
-        ref = self.tensors[name]
-        np_dtype = _DTYPES[ref.dtype][0]
-        rows = ref.shape[0] if ref.shape else 1
-        if not 0 <= start <= stop <= rows:
-            raise ValueError(f"rows {start}:{stop} of {name!r} ({rows} rows)")
-        shape = (stop - start, *ref.shape[1:]) if ref.shape else ref.shape
-        row_bytes = ref.nbytes // rows if rows else 0
-        nbytes = (stop - start) * row_bytes
-        count = nbytes // np.dtype(np_dtype).itemsize
-        if nbytes == 0:
-            out = np.zeros(shape, dtype=np_dtype)
-        else:
-            first = ref.offset + start * row_bytes
-            base = first - first % mmap.ALLOCATIONGRANULARITY
-            skip = first - base
-            try:
-                with (
-                    open(ref.file, "rb") as f,
-                    mmap.mmap(f.fileno(), skip + nbytes, access=mmap.ACCESS_READ, offset=base) as m,
-                ):
-                    view = np.frombuffer(m, dtype=np_dtype, count=count, offset=skip)
-                    out = view.reshape(shape).copy()
-                    del view
-            except (OSError, ValueError) as e:
-                raise _bad(ref.file, f"tensor {name!r}: cannot map its bytes ({e})") from None
-        if ref.dtype == "BF16":
-            return (out.astype(np.uint32) << 16).view(np.float32)
-        return out
+        return read_ref(self.tensors[name], start, stop)
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    items: list[tuple[str, str, tuple[int, ...], int]],
+    arrays: Iterable[np.ndarray],
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Write one safetensors file, streaming: ``items`` (name, dtype
+    ``"F32"``/``"F16"``/``"BF16"``, shape, nbytes) give the header,
+    ``arrays`` the data one at a time in the same order (a BF16 array as
+    its uint16 bits); the header's ``__metadata__`` is ``{"format": "pt"}``
+    plus ``metadata``."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    for name, dtype, shape, nbytes in items:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for (name, _, shape, nbytes), a in zip(items, arrays, strict=True):
+            data = np.ascontiguousarray(a).tobytes()
+            if len(data) != nbytes or tuple(a.shape) != tuple(shape):  # a bug here must not write a wrong file
+                raise AssertionError(f"{name}: {a.shape} / {len(data)} bytes, planned {shape} / {nbytes}")
+            f.write(data)

@@ -201,6 +201,7 @@ class LMArchitecture:
     describe_rows: Callable[..., Any] | None = None
     card: Callable[..., Any] | None = None
     traits: Mapping[str, Traits] = field(default_factory=dict)
+    hf: str | None = None  # the module whose ``HF`` is the family's ``toy.models.hf.HFFamily``
 
     def config_from_gguf(self, gf) -> Any:
         return self.config_from_metadata(gf.metadata, gf.tensors)
@@ -305,6 +306,24 @@ def get_language_model(name: str | None) -> LanguageModel:
     return cast(LanguageModel, arch)
 
 
+def hf_family(name: str | None) -> Any:
+    """The ``toy.models.hf.HFFamily`` of a ``general.architecture`` value or
+    family name (its module imported now); ``UnsupportedModelError`` for an
+    architecture without a Hugging Face mapping."""
+    module = getattr(get(name), "hf", None)
+    if module is None:
+        raise UnsupportedModelError(
+            f"architecture {name!r} has no Hugging Face mapping",
+            hint="toy converts " + ", ".join(n for n in _MODULES if getattr(get(n), "hf", None)),
+        )
+    return importlib.import_module(module).HF
+
+
+def hf_families() -> tuple[Any, ...]:
+    """Every built-in family's ``HFFamily``, in registry order."""
+    return tuple(hf_family(arch.family) for arch in language_models() if getattr(arch, "hf", None))
+
+
 def lora_target_names() -> tuple[str, ...]:
     """Every LoRA target name of any architecture (``lora_names``), in
     registry order: what a config may name before a model is known."""
@@ -346,6 +365,8 @@ __all__ = [
     "families",
     "get",
     "get_language_model",
+    "hf_families",
+    "hf_family",
     "language_model",
     "language_model_of",
     "language_models",

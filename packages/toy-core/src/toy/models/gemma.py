@@ -539,6 +539,7 @@ def _card(s) -> str:
 # its own summary, rows and card (above) say the rest
 ARCH = LMArchitecture(
     family="gemma",
+    hf="toy.models.gemma_hf",
     names=SUPPORTED_ARCHITECTURES,
     presets=PRESETS,
     lora_names=("q", "k", "v", "o", "gate", "up", "down"),

@@ -283,6 +283,7 @@ def train_config(dims: Mapping[str, Any], n_vocab: int, context: int) -> GPT2Con
 
 ARCH = LMArchitecture(
     family="gpt2",
+    hf="toy.models.gpt2_hf",
     names=("gpt2",),
     presets=PRESETS,
     lora_names=("qkv", "o", "up", "down"),

@@ -453,6 +453,7 @@ def train_config(d: Mapping[str, Any], n_vocab: int, context: int) -> LlamaConfi
 
 ARCH = LMArchitecture(
     family="llama",
+    hf="toy.models.llama_hf",
     names=SUPPORTED_ARCHITECTURES,
     presets=PRESETS,
     lora_names=("q", "k", "v", "o", "gate", "up", "down", "router"),

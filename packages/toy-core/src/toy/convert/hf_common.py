@@ -1,0 +1,42 @@
+"""What the Hugging Face import modules share: the error, JSON reading,
+and the token types of llama.cpp's vocabularies."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from toy.errors import BadInputError
+
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+SPECIAL_TYPES = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
+KEY_IDS = {
+    "bos": "bos",
+    "eos": "eos",
+    "unk": "unknown",
+    "sep": "seperator",
+    "pad": "padding",
+    "cls": "cls",
+    "mask": "mask",
+}
+
+
+class HFImportError(BadInputError):
+    """A Hugging Face folder toy cannot import as it is."""
+
+
+def err(msg: str, field: str, hint: str) -> HFImportError:
+    return HFImportError(msg, hint, field=field)
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise err(f"{path}: no such file", path.name, f"a Hugging Face model folder has a {what}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise err(f"{path}: not readable JSON ({e})", path.name, f"check the {what}") from None
+    if not isinstance(data, dict):
+        raise err(f"{path}: not a JSON object", path.name, f"check the {what}")
+    return data
