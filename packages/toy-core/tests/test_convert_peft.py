@@ -23,6 +23,7 @@ import pytest
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
+from toy.adapters import AdapterError  # noqa: E402
 from toy.convert.peft import PeftAdapterError, export_peft, import_peft  # noqa: E402
 from toy_testsupport import gpt2_ref  # noqa: E402
 from toy_testsupport.train_helpers import seeded_adapter  # noqa: E402
@@ -88,7 +89,7 @@ def _hf(hf_dir):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32, attn_implementation="eager").eval()
+    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def _torch_logits(model, ids) -> np.ndarray:
@@ -115,7 +116,7 @@ def _train_peft(hf_dir, out: Path, *, targets, steps=4, seed=1, **lora) -> Path:
     pm = get_peft_model(model, cfg)
     opt = torch.optim.Adam([p for p in pm.parameters() if p.requires_grad], lr=2e-2)
     g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, 50257, (2, 12), generator=g)
+    x = torch.randint(0, model.config.vocab_size, (2, 12), generator=g)
     for _ in range(steps):
         loss = pm(input_ids=x, labels=x).loss
         opt.zero_grad()
@@ -126,9 +127,7 @@ def _train_peft(hf_dir, out: Path, *, targets, steps=4, seed=1, **lora) -> Path:
 
 
 def _peft_logits(hf_dir, folder, ids) -> np.ndarray:
-    from peft import PeftModel
-
-    return _torch_logits(PeftModel.from_pretrained(_hf(hf_dir), str(folder)).eval(), ids)
+    return _torch_logits(_peft_model(hf_dir, folder), ids)
 
 
 @pytest.mark.parametrize("rslora", [False, True])
@@ -201,6 +200,11 @@ def test_toy_adapter_exported_loads_in_peft_and_round_trips(llama, tmp_path):
     assert np.abs(got - want).max() <= tol
     back = import_peft(folder, gguf, tmp_path / "back.gguf")
     assert back.read_bytes() == Path(ad).read_bytes()
+    assert json.loads((folder / "adapter_config.json").read_text())["fan_in_fan_out"] is False
+    # without the base, the Q/K row order of llama cannot be undone: refused, naming the weight
+    with pytest.raises(AdapterError, match=r"blk\.0\.attn_[qk]\.weight") as e:
+        export_peft(ad, tmp_path / "nobase")
+    assert "--base" in e.value.hint and not (tmp_path / "nobase").exists()
 
 
 def test_gpt2_fused_c_attn(tmp_path):
@@ -213,6 +217,32 @@ def test_gpt2_fused_c_attn(tmp_path):
     tol = GPT2_GELU_TOL
     assert np.abs(_toy_logits(gguf, ids) - want).max() > 10 * tol
     assert np.abs(got - want).max() <= tol
+    again = export_peft(out, tmp_path / "again")  # no base: the family's example config tells the Conv1D
+    assert json.loads((again / "adapter_config.json").read_text())["fan_in_fan_out"] is True
+    assert import_peft(again, gguf, tmp_path / "b.gguf").read_bytes() == out.read_bytes()
+
+
+@pytest.mark.parametrize("shape", ["gemma2-tiny", "gemma3-tiny-untied"])
+def test_gemma_adapters_both_ways(tmp_path, shape):
+    """Gemma's modules are llama's names (no row reordering). toy runs GELU
+    through ggml's float16 table as llama.cpp does, which alone moves its
+    logits from HF's by a few 1e-3 (test_gemma.py); with the adapter toy
+    stays within 3x that of PEFT's logits, which the adapter moves by >100x."""
+    from toy_testsupport import gemma_ref
+
+    hf, gguf = gemma_ref.hf_dir(shape, 0), gemma_ref.gguf_path(shape, 0, "f32")
+    ids = [2] + [int(t) for t in np.random.default_rng(0).integers(8, gemma_ref.sp_vocab_size(), 15)]  # BOS, text
+    folder = _train_peft(hf, tmp_path / "peft", targets=TARGETS, steps=3)
+    out = import_peft(folder, gguf, tmp_path / "a.gguf")
+    want = _peft_logits(hf, folder, ids)
+    base = _toy_logits(gguf, ids)
+    table = float(np.abs(base - _torch_logits(_hf(hf), ids)).max())  # the GELU table's own effect, no adapter
+    assert table < 1e-2  # measured 3.6e-3 (gemma2, soft-capped), 6.2e-3 (gemma3)
+    moved = float(np.abs(base - want).max())  # measured 3.6 and 5.4
+    assert moved > 100 * table  # the adapter matters far more than the table
+    # with the adapter: measured 0.8x (gemma2) and 1.4x (gemma3) the table's effect; a 1% error in the
+    # adapter's scale alone would be ~0.05
+    assert np.abs(_toy_logits(gguf, ids, lora=out) - want).max() <= 3 * table
     again = export_peft(out, tmp_path / "again")
     assert import_peft(again, gguf, tmp_path / "b.gguf").read_bytes() == out.read_bytes()
 
@@ -250,7 +280,9 @@ def _llamacpp_convert_lora(peft_dir: Path, hf_base: Path, out: Path) -> Path:
 
 def test_moe_router_adapted_experts_refused(tmp_path):
     """qwen3moe: PEFT's ``mlp.gate`` (the router) becomes ``ffn_gate_inp``'s
-    pair; toy (like llama.cpp) takes no adapter on the experts: refused."""
+    pair; an adapter of the experts is refused (toy's LoRA adapts 2-D
+    projections, llama.cpp's 3-D expert pairs it cannot apply), the error
+    naming the expert tensor and the hint the targets toy takes."""
     from toy_testsupport import moe_ref
 
     hf, gguf = moe_ref.hf_dir("qwen3moe-tiny"), moe_ref.gguf_path("qwen3moe-tiny")
@@ -263,7 +295,9 @@ def test_moe_router_adapted_experts_refused(tmp_path):
     experts = _train_peft(hf, tmp_path / "experts", targets=["down_proj"], steps=1)
     with pytest.raises(PeftAdapterError, match=r"experts\.\d+\.down_proj") as e:
         import_peft(experts, gguf, tmp_path / "b.gguf")
-    assert "experts" in e.value.hint and not (tmp_path / "b.gguf").exists()
+    assert "cannot adapt mixture-of-experts experts" in str(e.value) and "ffn_down_exps" in str(e.value)
+    assert "router" in e.value.hint and "'gate'" in e.value.hint and "merge" in e.value.hint
+    assert e.value.field.endswith(".lora_A.weight") and not (tmp_path / "b.gguf").exists()
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -298,6 +332,119 @@ def test_tensors_equal_llamacpp_convert_lora(llama, tmp_path, arch):
                 assert np.array_equal(b.tensor_to_float(name), a.tensor_to_float(other).T), name
             else:
                 assert np.array_equal(a.tensor_to_float(name), b.tensor_to_float(name)), name
+
+
+# ------------------------------------------------------------ llama.cpp runs the imported adapter
+
+LLAMACPP_FIXTURE = Path(__file__).parent / "fixtures" / "peft_llamacpp.json"
+#: the cases of fixtures/peft_llamacpp.json, recorded by tools/fixtures/record_peft_llamacpp.py with
+#: llama.cpp's llama-server (``make_llamacpp_case`` builds each; the fixture keeps both files' sha256)
+LLAMACPP_CASES: dict[str, dict] = {
+    # llama: the converter reorders Q/K rows, so lora_b of attn_q/attn_k is permuted; rsLoRA scale
+    "llama": {
+        "arch": "llama",
+        "seed": 7,
+        "fields": {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2},
+        "peft_seed": 10,
+        "lora": {"r": 8, "lora_alpha": 16, "use_rslora": True, "target_modules": TARGETS},
+        "std": 0.1,
+    },
+    # qwen2: Q/K/V biases (not adapted), HF's row order kept; plain scale alpha / r
+    "qwen2": {
+        "arch": "qwen2",
+        "seed": 9,
+        "fields": {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2},
+        "peft_seed": 10,
+        "lora": {"r": 4, "lora_alpha": 8, "use_rslora": False, "target_modules": TARGETS},
+        "std": 0.15,
+    },
+}
+LLAMACPP_PROMPTS = ["The quick brown fox", "Once upon a time, in a small village,", "1, 2, 3, 4,"]
+LLAMACPP_N_GEN = 16
+
+
+def make_llamacpp_case(case: str, folder: Path) -> tuple[Path, Path]:
+    """The base GGUF and the adapter GGUF of a llama.cpp parity case, in
+    ``folder``: the seeded random HF model (``hf_llama_ref.make_hf_llama``)
+    converted by llama.cpp's converter (F32), and a PEFT adapter made by PEFT
+    on it (``get_peft_model`` with the case's ``LoraConfig``, then every
+    ``lora_A``/``lora_B`` drawn anew from N(0, std²) after
+    ``torch.manual_seed(peft_seed)``, in ``named_parameters`` order: a
+    non-zero ``lora_B``, so the adapter matters), saved with
+    ``save_pretrained`` and imported by ``import_peft``. File names are
+    fixed (the adapter records its folder's and its base's names)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from toy_testsupport import hf_llama_ref
+
+    c = LLAMACPP_CASES[case]
+    hf = hf_llama_ref.make_hf_llama(folder / f"hf-{case}", arch=c["arch"], seed=c["seed"], **c["fields"])
+    base = hf_llama_ref.convert(hf, folder / f"base-{case}.gguf", "f32")
+    pm = get_peft_model(_hf(hf), LoraConfig(lora_dropout=0.0, **c["lora"]))
+    torch.manual_seed(c["peft_seed"])
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
+                p.normal_(0.0, c["std"])
+    pm.save_pretrained(folder / f"peft-{case}")
+    return base, import_peft(folder / f"peft-{case}", base, folder / f"adapter-{case}.gguf")
+
+
+def _llamacpp_records() -> list:
+    if not LLAMACPP_FIXTURE.is_file():
+        return []
+    return [pytest.param(r, id=r["case"]) for r in json.loads(LLAMACPP_FIXTURE.read_text())["cases"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rec", _llamacpp_records())
+def test_llamacpp_runs_the_imported_adapter_like_toy(tmp_path, rec):
+    """llama.cpp's llama-server loaded toy's import of a PEFT adapter
+    (``--lora``) and its greedy tokens were recorded (fixtures/
+    peft_llamacpp.json); toy with the same base and adapter gives the same
+    tokens, and without the adapter the same base tokens; PEFT itself (F32)
+    gives them too, so llama.cpp runs the adapter PEFT trained, not merely
+    the file toy wrote. The files are re-created here and must be the
+    recorded bytes, so the record applies. The smallest top-1 minus top-2
+    logit gap of llama.cpp's steps is recorded (>= 5e-3 here), far above
+    toy's differences from llama.cpp (~1e-6 on these tiny F32 models)."""
+    from toy_testsupport.llamacpp_parity import sha256_file, toy_tokens
+
+    assert rec["recipe"] == LLAMACPP_CASES[rec["case"]], "the case changed: re-record the fixture"
+    base, adapter = make_llamacpp_case(rec["case"], tmp_path)
+    how = "re-record with tools/fixtures/record_peft_llamacpp.py (torch, transformers, PEFT or the converter changed?)"
+    assert sha256_file(base) == rec["base"]["sha256"], f"the base GGUF differs from the recorded one: {how}"
+    assert sha256_file(adapter) == rec["adapter"]["sha256"], f"the adapter GGUF differs from the recorded one: {how}"
+    texts = [p["text"] for p in rec["prompts"]]
+    with_adapter = toy_tokens(base, texts, n_gen=rec["n_gen"], lora=adapter)
+    without = toy_tokens(base, texts, n_gen=rec["n_gen"])
+    assert any(p["greedy"] != p["base_greedy"] for p in rec["prompts"])  # the adapter matters to llama.cpp
+    for i, p in enumerate(rec["prompts"]):
+        assert with_adapter["prompt_ids"][i] == p["ids"] == without["prompt_ids"][i], p["text"]
+        assert with_adapter["greedy"][i] == p["greedy"], f"{p['text']!r} with the adapter"
+        assert without["greedy"][i] == p["base_greedy"], f"{p['text']!r} without it"
+    peft_model = _peft_model(tmp_path / f"hf-{rec['case']}", tmp_path / f"peft-{rec['case']}")
+    for p in rec["prompts"]:
+        assert _torch_greedy(peft_model, p["ids"], rec["n_gen"]) == p["greedy"], f"{p['text']!r}: PEFT's tokens"
+
+
+def _peft_model(hf_dir, folder):
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(_hf(hf_dir), str(folder)).eval()
+
+
+def _torch_greedy(model, ids, n: int) -> list[int]:
+    """``n`` greedy tokens of a torch causal LM (the whole sequence each step: no cache)."""
+    import torch
+
+    ids, out = list(ids), []
+    with torch.no_grad():
+        for _ in range(n):
+            out.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            ids.append(out[-1])
+    return out
 
 
 # ------------------------------------------------------------ refused cases
@@ -373,6 +520,27 @@ def test_adapter_for_another_base_names_the_tensor(trained, tmp_path):
     assert not (tmp_path / "o.gguf").exists()
 
 
+def test_keys_with_another_path_before_the_blocks(llama, trained, tmp_path):
+    """PEFT keys of a bare ``LlamaModel`` (``layers.N…``, no ``model.``) or a
+    wrapper (``language_model.model.layers.N…``) name the same modules: the
+    family's blocks container (the last part of ``peft_prefix``) is matched."""
+    from safetensors.numpy import load_file, save_file
+
+    from toy.adapters import load_adapter
+
+    _, gguf = llama
+    want = load_adapter(import_peft(trained, gguf, tmp_path / "a.gguf")).pairs
+    for i, path in enumerate(["", "language_model.model."]):
+        folder = _variant(trained, tmp_path / f"v{i}")
+        w = folder / "adapter_model.safetensors"
+        renamed = {k.replace("base_model.model.model.", "base_model.model." + path): v for k, v in load_file(w).items()}
+        assert set(renamed).isdisjoint(load_file(w))  # every key renamed
+        save_file(renamed, w, metadata={"format": "pt"})
+        got = load_adapter(import_peft(folder, gguf, tmp_path / f"b{i}.gguf")).pairs
+        assert sorted(got) == sorted(want)
+        assert all(np.array_equal(got[n][j], want[n][j]) for n in want for j in (0, 1))
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_sources(llama, trained, tmp_path, dtype):
     """A PEFT folder saved in BF16 or F16: the values become F32 exactly as torch widens them."""
@@ -393,24 +561,48 @@ def test_half_precision_sources(llama, trained, tmp_path, dtype):
     assert np.array_equal(b, half[key.format("B")].float().numpy())
 
 
-def test_truncated_and_lying_safetensors(llama, trained, tmp_path):
-    _, gguf = llama
-    cut = _variant(trained, tmp_path / "cut")
-    w = cut / "adapter_model.safetensors"
-    w.write_bytes(w.read_bytes()[:-10])
-    with pytest.raises(PeftAdapterError, match="data_offsets"):
-        import_peft(cut, gguf, tmp_path / "o.gguf")
-    lie = _variant(trained, tmp_path / "lie")
-    w = lie / "adapter_model.safetensors"
+def _shift_last(folder: Path, by: int, extra: bytes = b"") -> str:
+    """Move the last tensor's data_offsets by ``by`` bytes (the header kept
+    its length) and append ``extra`` to the file: the tensor's name."""
+    w = folder / "adapter_model.safetensors"
     data = w.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
     head = json.loads(data[8 : 8 + n])
     name = max((k for k in head if k != "__metadata__"), key=lambda k: head[k]["data_offsets"][1])
     lo, hi = head[name]["data_offsets"]
-    head[name]["data_offsets"] = [lo - 4, hi - 4]  # in the file, the right size, overlapping the previous one
-    h = json.dumps(head).encode()
-    h += b" " * (n - len(h)) if len(h) <= n else b""
-    w.write_bytes(struct.pack("<Q", len(h)) + h + data[8 + n :])
-    with pytest.raises(PeftAdapterError, match=name.replace(".", r"\.")):
-        import_peft(lie, gguf, tmp_path / "o.gguf")
-    assert not (tmp_path / "o.gguf").exists()
+    head[name]["data_offsets"] = [lo + by, hi + by]
+    h = json.dumps(head, separators=(",", ":")).encode()
+    assert len(h) <= n
+    w.write_bytes(struct.pack("<Q", n) + h + b" " * (n - len(h)) + data[8 + n :] + extra)
+    return name
+
+
+@pytest.mark.parametrize(
+    ("case", "needle"),
+    [
+        ("truncated", "run past the end of the file"),
+        ("overlap", "overlap"),  # the right size, inside the file, over the previous tensor
+        ("gap", "after a gap"),
+        ("trailing", "bytes after the last tensor"),
+    ],
+)
+def test_truncated_and_lying_safetensors(llama, trained, tmp_path, case, needle):
+    """A header that lies about the data (safetensors_io's checks, which
+    the safetensors library makes too) is refused, naming the file and the
+    tensor where there is one; nothing is written."""
+    _, gguf = llama
+    bad = _variant(trained, tmp_path / case)
+    w = bad / "adapter_model.safetensors"
+    name = None
+    if case == "truncated":
+        w.write_bytes(w.read_bytes()[:-10])
+    elif case == "trailing":
+        w.write_bytes(w.read_bytes() + b"\0" * 8)
+    else:
+        name = _shift_last(bad, -4 if case == "overlap" else 4, b"" if case == "overlap" else b"\0" * 4)
+    with pytest.raises(PeftAdapterError, match=needle) as e:
+        import_peft(bad, gguf, tmp_path / "o.gguf")
+    assert "adapter_model.safetensors" in str(e.value) and e.value.hint
+    if name is not None:
+        assert name in str(e.value)
+    assert not (tmp_path / "o.gguf").exists() and list(tmp_path.glob(".o.gguf*")) == []

@@ -6,24 +6,27 @@ model ``base`` (``toy.adapters.file``: what ``toy infer --lora``, ``toy merge``
 and ``llama-cli --lora`` load). ``export_peft(adapter, out)`` writes the other
 way, a folder that ``peft.PeftModel.from_pretrained(hf_model, out)`` loads.
 Neither needs torch, transformers or PEFT: the safetensors file is read and
-written here with NumPy (F32, F16 and BF16 sources; every offset checked).
+written with NumPy by ``toy.convert.safetensors_io`` (F32, F16 and BF16
+sources; every offset checked).
 
-The mapping (PEFT's module names -> GGUF weight names):
-
-- llama, qwen2, qwen3, gemma2, gemma3, and the MoE routers:
-  ``layers.N.self_attn.{q,k,v,o}_proj`` -> ``blk.N.attn_{q,k,v,output}``,
-  ``layers.N.mlp.{gate,up,down}_proj`` -> ``blk.N.ffn_{gate,up,down}``,
-  ``layers.N.mlp.gate`` (a router) -> ``blk.N.ffn_gate_inp``;
-- gpt2: ``h.N.attn.c_attn`` (fused Q/K/V) -> ``blk.N.attn_qkv``,
-  ``h.N.attn.c_proj`` -> ``blk.N.attn_output``, ``h.N.mlp.c_fc`` ->
-  ``blk.N.ffn_up``, ``h.N.mlp.c_proj`` -> ``blk.N.ffn_down``.
+The mapping (PEFT's module names -> GGUF weight names) is the base family's
+Hugging Face data (``toy.models.hf_family(architecture)``, a
+``toy.models.hf.HFFamily``; the tables of ``docs/reference/hf-mapping.md``
+are generated from it): ``peft_prefix`` names the blocks' container
+(``model.layers``; a key may carry another path before its last part, as a
+bare ``LlamaModel`` or a multimodal wrapper writes it), ``peft_modules`` maps
+a module inside block N to the GGUF stem of ``blk.N.STEM.weight``. Nothing
+here knows an architecture by name.
 
 PEFT's ``lora_A`` (r, in) and ``lora_B`` (out, r) are the file's ``lora_a`` and
-``lora_b`` as they are (a GPT-2 ``Conv1D`` changes only how the base weight is
-stored, not its adapter). For ``llama`` the converter reorders the rows of
-``attn_q``/``attn_k`` (RoPE pairs, llama.cpp's ``permute``); the update
-``B A`` has the same rows, so ``lora_b``'s rows take the same permutation
-(``A`` is untouched) and the export undoes it.
+``lora_b`` as they are (a ``Conv1D`` changes only how the base weight is
+stored, not its adapter; the family's ``tensors`` rows with op ``transpose``
+on a target make an export say ``fan_in_fan_out``). Where the family's
+``tensors`` rows give a weight the op ``rope_pairs`` (llama's Q/K, whose rows
+the converter reorders into RoPE pairs), the update ``B A`` has the same
+rows, so ``lora_b``'s rows take the same permutation for the row's ``heads``
+(``A`` is untouched) and the export undoes it (the import's and export's
+own ``permute_rows`` / ``unpermute_rows``).
 
 Scale: PEFT multiplies ``B A x`` by ``lora_alpha / r`` (``lora_alpha /
 sqrt(r)`` with ``use_rslora``); llama.cpp by ``adapter.lora.alpha / rank``.
@@ -35,9 +38,12 @@ Refused, each with an error naming what and saying what to do:
 ``modules_to_save`` (fully trained tensors, e.g. an embedding or a head: no
 place in an adapter file), targets outside the blocks' projections
 (``embed_tokens``, ``lm_head``: tied or not, llama.cpp adapts neither), MoE
-experts, DoRA (``use_dora``: magnitude vectors llama.cpp does not apply),
-LoRA biases (``bias`` other than "none"), non-LoRA PEFT types, and an
-adapter whose modules or shapes do not match ``base`` (naming the tensor).
+experts (told by the family's rows with ``expert``: llama.cpp's format could
+hold them as 3-D pairs of ``ffn_*_exps``, but toy's LoRA adapts 2-D
+projections only, so the hint names the targets it takes), DoRA
+(``use_dora``: magnitude vectors llama.cpp does not apply), LoRA biases
+(``bias`` other than "none"), non-LoRA PEFT types, and an adapter whose
+modules or shapes do not match ``base`` (naming the tensor).
 
 The export records toy's own keys (``general.name``, ``toy.lora.*``) in the
 safetensors header's ``__metadata__`` (PEFT ignores it), so importing an
@@ -50,7 +56,6 @@ import json
 import math
 import os
 import re
-import struct
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -59,39 +64,23 @@ from typing import Any
 import numpy as np
 
 from toy.adapters.file import Adapter, AdapterError, load_adapter, lora_alpha_for_file, save_adapter
+from toy.convert.hf_export import unpermute_rows
+from toy.convert.hf_import import permute_rows
+from toy.convert.safetensors_io import SafetensorsError, read_header, read_metadata, read_ref, write_safetensors
 from toy.errors import BadInputError
+from toy.models.hf import HFFamily, HFTensor
 
 __all__ = ["PeftAdapterError", "export_peft", "gguf_name", "import_peft", "is_peft_folder", "peft_module"]
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 
-# PEFT module (inside a block) -> GGUF stem, per naming family
-_LLAMA_MODULES = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "mlp.gate": "ffn_gate_inp",
-}
-_GPT2_MODULES = {
-    "attn.c_attn": "attn_qkv",
-    "attn.c_proj": "attn_output",
-    "mlp.c_fc": "ffn_up",
-    "mlp.c_proj": "ffn_down",
-}
-_FAMILY = {"gpt2": ("transformer.h", _GPT2_MODULES)}
-_DEFAULT_FAMILY = ("model.layers", _LLAMA_MODULES)
-_PERMUTED = {"llama"}  # architectures whose converter permutes attn_q/attn_k rows
-
-_KEY = re.compile(
-    r"(?:base_model\.model\.)?(?P<path>.*?)(?:^|\.)(?:layers|h)\.(?P<layer>\d+)\.(?P<module>.+)"
-    r"\.lora_(?P<half>[AB])(?:\.[A-Za-z0-9_]+)?\.weight"
+# a PEFT key: [base_model.model.][PATH.]CONTAINER.N.MODULE.lora_(A|B)[.ADAPTER].weight, where CONTAINER is
+# the last part of the family's peft_prefix (ADAPTER: an adapter name some PEFT versions keep in the key)
+_KEY = (
+    r"(?:base_model\.model\.)?(?:.*?\.)?{container}\.(?P<layer>\d+)\.(?P<module>.+?)"
+    r"\.lora_(?P<half>[AB])(?:\.\w+)?\.weight"
 )
-_DTYPES: dict[str, np.dtype[Any]] = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 
 
 class PeftAdapterError(BadInputError):
@@ -103,113 +92,72 @@ def is_peft_folder(folder: str | os.PathLike[str]) -> bool:
     return (Path(folder) / CONFIG).is_file()
 
 
+def _family(architecture: str) -> HFFamily:
+    """The ``HFFamily`` of a base model's architecture (``UnsupportedModelError`` without one)."""
+    from toy import models
+
+    family: HFFamily = models.hf_family(architecture)
+    return family
+
+
+def _key_pattern(family: HFFamily) -> re.Pattern[str]:
+    return re.compile(_KEY.format(container=re.escape(family.peft_prefix.rsplit(".", 1)[-1])))
+
+
 def peft_module(architecture: str, gguf: str) -> str:
     """The PEFT module name (``model.layers.N.self_attn.q_proj``) of a GGUF weight name."""
+    family = _family(architecture)
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf)
-    prefix, modules = _FAMILY.get(architecture, _DEFAULT_FAMILY)
-    rev = {v: k for k, v in modules.items()}
+    rev = {stem: module for module, stem in family.peft_modules.items()}
     if not m or m.group(2) not in rev:
         raise AdapterError(
             f"{gguf}: no PEFT module for this {architecture} weight",
             hint="toy exports adapters of the attention and feed-forward projections",
         )
-    return f"{prefix}.{m.group(1)}.{rev[m.group(2)]}"
+    return f"{family.peft_prefix}.{m.group(1)}.{rev[m.group(2)]}"
 
 
 def gguf_name(architecture: str, key: str) -> str | None:
     """The GGUF weight name a PEFT ``lora_A``/``lora_B`` key adapts, or None."""
-    m = _KEY.fullmatch(key)
-    if not m:
-        return None
-    stem = _FAMILY.get(architecture, _DEFAULT_FAMILY)[1].get(m.group("module"))
-    return f"blk.{int(m.group('layer'))}.{stem}.weight" if stem else None
+    family = _family(architecture)
+    m = _key_pattern(family).fullmatch(key)
+    stem = family.peft_modules.get(m.group("module")) if m else None
+    return f"blk.{int(m.group('layer'))}.{stem}.weight" if m and stem else None
 
 
-# ------------------------------------------------------------ safetensors (NumPy only)
+def _block_rows(family: HFFamily, architecture: str, cfg: Any) -> dict[str, HFTensor]:
+    """The family's tensor rows (``HFTensor``) of a model with toy config ``cfg``
+    inside the blocks, by their name after the container (``N.mlp.experts.J.down_proj.weight``)."""
+    prefix = family.peft_prefix + "."
+    return {t.hf[len(prefix) :]: t for t in family.tensors(architecture, cfg) if t.hf.startswith(prefix)}
+
+
+def _rope_heads(rows: Mapping[str, HFTensor]) -> dict[str, int]:
+    """GGUF weight -> the heads of its RoPE-pair row order, for the weights the converter reorders."""
+    return {
+        t.gguf: t.heads
+        for t in rows.values()
+        if t.op == "rope_pairs" and t.gguf and t.gguf.endswith(".weight") and t.expert is None
+    }
+
+
+# ------------------------------------------------------------ safetensors
 
 
 def _read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Every tensor of a safetensors file as float32, and its ``__metadata__``."""
+    """Every tensor of the adapter file as float32, and its ``__metadata__``
+    (``safetensors_io``: the header checked first, every offset included)."""
+    if not path.is_file():
+        raise PeftAdapterError(f"{path}: no such file", hint=f"a PEFT adapter folder holds {WEIGHTS}", field=WEIGHTS)
     try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise PeftAdapterError(f"{path}: cannot read ({e.strerror})", hint=f"a PEFT folder holds {WEIGHTS}") from e
-    if len(data) < 8:
-        raise PeftAdapterError(f"{path}: truncated (no safetensors header)")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > len(data) - 8:
-        raise PeftAdapterError(f"{path}: the header says {n} bytes, the file has {len(data) - 8} after it (truncated?)")
-    try:
-        header = json.loads(data[8 : 8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PeftAdapterError(f"{path}: the safetensors header is not JSON ({e})") from e
-    if not isinstance(header, dict):
-        raise PeftAdapterError(f"{path}: the safetensors header is not a JSON object")
-    meta = header.pop("__metadata__", None) or {}
-    body = memoryview(data)[8 + n :]
-    out: dict[str, np.ndarray] = {}
-    spans: list[tuple[int, int, str]] = []
-    for name, info in header.items():
-        try:
-            dtype, shape, (lo, hi) = info["dtype"], [int(s) for s in info["shape"]], info["data_offsets"]
-        except (TypeError, KeyError, ValueError) as e:
-            raise PeftAdapterError(f"{path}: tensor {name}: a malformed header entry {info!r}") from e
-        if dtype not in _DTYPES:
-            raise PeftAdapterError(
-                f"{path}: tensor {name} is {dtype}", hint="toy reads F32, F16 and BF16 adapter tensors"
-            )
-        want = math.prod(shape) * _DTYPES[dtype].itemsize
-        if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= len(body) and hi - lo == want):
-            raise PeftAdapterError(
-                f"{path}: tensor {name}: data_offsets [{lo}, {hi}] do not hold a {dtype} {shape} tensor "
-                f"inside the file's {len(body)} data bytes",
-                hint="the file is truncated or its header is wrong: save the adapter again",
-            )
-        spans.append((lo, hi, name))
-        a = np.frombuffer(body[lo:hi], _DTYPES[dtype]).reshape(shape)
-        if dtype == "BF16":
-            a = (a.astype(np.uint32) << 16).view(np.float32)
-        out[name] = np.asarray(a, np.float32)
-    end = 0
-    for lo, hi, name in sorted(spans):
-        if lo != end:  # the tensors must tile the data section, as the safetensors format requires
-            raise PeftAdapterError(
-                f"{path}: tensor {name}: data_offsets [{lo}, {hi}] "
-                + ("overlap the previous tensor" if lo < end else f"leave a gap after byte {end}"),
-                hint="the file's header is wrong: save the adapter again",
-            )
-        end = hi
-    if end != len(body):
-        raise PeftAdapterError(f"{path}: {len(body) - end} bytes after the last tensor", hint="save the adapter again")
-    return out, {str(k): str(v) for k, v in meta.items()}
-
-
-def _write_safetensors(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> None:
-    header: dict[str, object] = {"__metadata__": dict(meta)}
-    blobs, off = [], 0
-    for name, a in tensors.items():
-        b = np.ascontiguousarray(a, "<f4").tobytes()
-        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
-        blobs.append(b)
-        off += len(b)
-    h = json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)))
-        f.write(h)
-        for b in blobs:
-            f.write(b)
+        refs = read_header(path)
+        meta = read_metadata(path)
+        return {r.name: np.asarray(read_ref(r), np.float32) for r in refs}, meta
+    except SafetensorsError as e:
+        raise PeftAdapterError(str(e), hint=e.hint, field=e.field) from None
 
 
 # ------------------------------------------------------------ import
-
-
-def _permute_rows(b: np.ndarray, n_head: int, inverse: bool = False) -> np.ndarray:
-    """llama.cpp's converter permutation of Q/K rows (pairs (2i, 2i+1) <- (i, i + D/2)), on B's rows."""
-    out, r = b.shape
-    if inverse:
-        return np.asarray(b.reshape(n_head, out // n_head // 2, 2, r).swapaxes(1, 2).reshape(out, r))
-    return np.asarray(b.reshape(n_head, 2, out // n_head // 2, r).swapaxes(1, 2).reshape(out, r))
 
 
 def _config(folder: Path) -> dict[str, Any]:
@@ -257,12 +205,53 @@ def _check_config(cfg: dict[str, Any], p: Path) -> None:
             raise PeftAdapterError(f"{p}: {key} is set; toy converts plain LoRA only", hint=f"train without {key}")
 
 
-def _not_a_block_target(key: str, p: Path) -> PeftAdapterError:
+def _not_a_block_target(key: str, p: Path, arch: str) -> PeftAdapterError:
     mod = key.removeprefix("base_model.model.").split(".lora_")[0]
+    if re.search(r"\.\d+\.", mod):  # inside numbered blocks, but not this family's
+        return PeftAdapterError(
+            f"{p}: {key} adapts {mod}, which is not a module of a {arch} model",
+            hint="an adapter for another architecture than --base? convert it with the model it was trained on",
+            field=key,
+        )
     return PeftAdapterError(
         f"{p}: {key} adapts {mod}: llama.cpp's adapter format (and toy) adapt only the attention and "
         "feed-forward projections inside the blocks, not embeddings or the output head (tied or not)",
         hint="train without that target, or merge the adapter into the base with PEFT and convert the merged model",
+        field=key,
+    )
+
+
+def _not_a_target(
+    key: str, rel: str, rows: Mapping[str, HFTensor], targets: Mapping[str, Any], family: HFFamily
+) -> PeftAdapterError:
+    """The error for a PEFT key inside a block whose module is no LoRA target
+    of toy's (``rel``: its parameter's name after the blocks' container),
+    told apart by the family's tensor rows: an expert, another tensor of the
+    model, or a module the base model does not have."""
+    stems = {t.stem for t in targets.values()}
+    usable = sorted(m.rsplit(".", 1)[-1] for m, stem in family.peft_modules.items() if stem in stems)
+    mod = key.removeprefix("base_model.model.").split(".lora_")[0]
+    row = rows.get(rel)
+    if row is not None and row.expert is not None:
+        return PeftAdapterError(
+            f"{key} adapts {mod}, expert {row.expert} of the stacked {row.gguf}: toy applies LoRA to 2-D "
+            "projections only and cannot adapt mixture-of-experts experts (llama.cpp's format would hold them "
+            "as 3-D ffn_*_exps pairs; toy refuses rather than drop them)",
+            hint=f"train the adapter on the attention projections and the router only (target_modules from "
+            f"{usable}), or merge it into the base with PEFT (merge_and_unload) and `toy convert` the merged folder",
+            field=key,
+        )
+    if row is not None:
+        return PeftAdapterError(
+            f"{key} adapts {mod} ({row.gguf}), which toy's LoRA does not adapt",
+            hint=f"toy adapts the modules {usable} of this model: train without that target, or merge the adapter "
+            "with PEFT (merge_and_unload) and `toy convert` the merged folder",
+            field=key,
+        )
+    return PeftAdapterError(
+        f"{key}: module {mod!r} is not a module of the --base model",
+        hint="an adapter for another architecture or model than --base? convert it with the model it was trained on",
+        field=key,
     )
 
 
@@ -299,23 +288,25 @@ def import_peft(folder: str | os.PathLike[str], base: str | os.PathLike[str], ou
         shapes = {n: tuple(i.shape) for n, i in gf.tensors.items()}
         mcfg = models.config_from_gguf(gf)
         targets = models.language_model_of(mcfg).lora_targets(mcfg)
+        family = _family(arch)
+        pattern = _key_pattern(family)
+        rows = _block_rows(family, arch, mcfg)
+        rope_heads = _rope_heads(rows)
         halves: dict[str, dict[str, np.ndarray]] = {}
         keys: dict[str, str] = {}
         for key, a in tensors.items():
             if "lora_magnitude_vector" in key:
-                raise PeftAdapterError(f"{folder / WEIGHTS}: {key} is a DoRA magnitude vector", hint="DoRA is refused")
+                raise PeftAdapterError(
+                    f"{folder / WEIGHTS}: {key} is a DoRA magnitude vector", hint="DoRA is refused", field=key
+                )
             if ".lora_embedding_" in key or not re.search(r"\.lora_[AB]\.", key):
-                raise _not_a_block_target(key, p)
-            m = _KEY.fullmatch(key)
+                raise _not_a_block_target(key, p, arch)
+            m = pattern.fullmatch(key)
             if not m:
-                raise _not_a_block_target(key, p)
+                raise _not_a_block_target(key, p, arch)
             name = gguf_name(arch, key)
             if name is None:
-                raise PeftAdapterError(
-                    f"{folder / WEIGHTS}: {key}: module {m.group('module')!r} is not a {arch} projection toy adapts",
-                    hint="MoE experts and modules outside attention/feed-forward take no adapter; an adapter for "
-                    "another architecture than --base?",
-                )
+                raise _not_a_target(key, f"{int(m.group('layer'))}.{m.group('module')}.weight", rows, targets, family)
             if a.ndim != 2:
                 raise PeftAdapterError(f"{folder / WEIGHTS}: {key} has shape {a.shape}, expected 2-D")
             halves.setdefault(name, {})[m.group("half")] = a
@@ -354,8 +345,8 @@ def import_peft(folder: str | os.PathLike[str], base: str | os.PathLike[str], ou
             have = file_alpha / r
             if not math.isclose(want, have, rel_tol=1e-6):
                 b = b * np.float32(want / have)
-            if arch in _PERMUTED and name.split(".")[2] in ("attn_q", "attn_k"):
-                b = _permute_rows(b, mcfg.n_head if name.split(".")[2] == "attn_q" else mcfg.n_head_kv)
+            if name in rope_heads:
+                b = permute_rows(b, rope_heads[name])
             pairs[name] = (np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b, np.float32))
         if not pairs:
             raise PeftAdapterError(f"{folder / WEIGHTS}: no lora_A/lora_B tensors")
@@ -418,8 +409,9 @@ def export_peft(
 ) -> Path:
     """Write the adapter GGUF ``adapter`` as a PEFT folder ``out``
     (``adapter_config.json``, ``adapter_model.safetensors``). ``base`` (the
-    GGUF base model) is checked against and, for llama's attn_q/attn_k, gives
-    the head counts of the Q/K row order (required there); ``base_model`` is
+    GGUF base model) is checked against and gives the head counts of the
+    weights whose rows the converter reorders (llama's attn_q/attn_k;
+    required for an adapter of those); ``base_model`` is
     recorded as ``base_model_name_or_path``. The folder is built next to
     ``out`` and renamed into place; ``out`` must not exist or be empty."""
     ad = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
@@ -435,22 +427,20 @@ def export_peft(
     if not ad.alpha or not math.isclose(lora_alpha_for_file(alpha, r0, rslora), ad.alpha, rel_tol=1e-6):
         rslora, alpha = False, float(ad.alpha) if ad.alpha else float(r0)
     peft_alpha = alpha
-    n_head, n_head_kv = _heads(ad, base) if arch in _PERMUTED else (1, 1)
-    if base is not None and arch not in _PERMUTED:
-        from toy.adapters.apply import check_lora
-        from toy.gguf import GGUFFile
-
-        with GGUFFile(base) as gf:
-            check_lora(ad, gf)
+    family = _family(arch)
+    rows, rope_heads = _export_rows(ad, family, base)
+    stems = {n.split(".")[2] for n in ad.pairs}
+    # GPT-2's Conv1D: the base weight is transposed by the converter; PEFT must know (its A/B stay Linear-shaped)
+    transposed = {t.gguf.split(".")[2] for t in rows.values() if t.op == "transpose" and t.gguf}
+    fan_in_fan_out = bool(transposed & stems)
     tensors: dict[str, np.ndarray] = {}
     modules: list[str] = []
     rank_pattern: dict[str, int] = {}
     alpha_pattern: dict[str, float] = {}
     for name, (a, b) in ad.pairs.items():
         mod = peft_module(arch, name)
-        stem = name.split(".")[2]
-        if arch in _PERMUTED and stem in ("attn_q", "attn_k"):
-            b = _permute_rows(b, n_head if stem == "attn_q" else n_head_kv, inverse=True)
+        if name in rope_heads:
+            b = unpermute_rows(b, rope_heads[name])
         r = ranks[name]
         # the module's PEFT scale must be llama.cpp's (file alpha / its rank): where the config's
         # alpha does not give it (another rank, or no file alpha: scale 1), an alpha_pattern entry does
@@ -474,7 +464,7 @@ def export_peft(
         "lora_dropout": float(meta.get("toy.lora.dropout", 0.0)),
         "target_modules": modules,
         "bias": "none",
-        "fan_in_fan_out": arch == "gpt2",
+        "fan_in_fan_out": fan_in_fan_out,
         "inference_mode": True,
         "modules_to_save": None,
         "use_dora": False,
@@ -482,7 +472,7 @@ def export_peft(
         "alpha_pattern": alpha_pattern,
         "init_lora_weights": True,
     }
-    st_meta = {"format": "pt", "toy.architecture": arch}
+    st_meta = {"toy.architecture": arch}  # after safetensors_io's "format": "pt"
     for k in ("general.name", "toy.lora.base", "toy.lora.dropout"):
         if k in meta:
             st_meta[k] = str(meta[k])
@@ -492,7 +482,9 @@ def export_peft(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        _write_safetensors(tmp / WEIGHTS, tensors, st_meta)
+        arrays = {k: np.ascontiguousarray(v, "<f4") for k, v in tensors.items()}
+        items = [(k, "F32", tuple(v.shape), v.nbytes) for k, v in arrays.items()]
+        write_safetensors(tmp / WEIGHTS, items, arrays.values(), st_meta)
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
@@ -504,21 +496,37 @@ def export_peft(
     return out
 
 
-def _heads(ad: Adapter, base: str | os.PathLike[str] | None) -> tuple[int, int]:
-    """The (query, key/value) head counts that llama.cpp's Q/K row order of a
-    llama adapter depends on: from the base model's metadata."""
-    if not any(n.split(".")[2] in ("attn_q", "attn_k") for n in ad.pairs):
-        return 1, 1
-    if base is None:
+def _export_rows(
+    ad: Adapter, family: HFFamily, base: str | os.PathLike[str] | None
+) -> tuple[dict[str, HFTensor], dict[str, int]]:
+    """The family's block rows for an export and the RoPE-pair heads of the
+    adapted weights: from ``base`` (checked against the adapter) when given;
+    else from the family's example config, which tells the ops but not the
+    head counts, so an adapter of a reordered weight needs ``base``."""
+    from toy import models
+
+    arch = ad.architecture
+    if base is not None:
+        from toy.adapters.apply import check_lora
+        from toy.gguf import GGUFFile
+
+        with GGUFFile(base) as gf:
+            check_lora(ad, gf)
+            cfg = models.config_from_gguf(gf)
+        rows = _block_rows(family, arch, cfg)
+        heads = _rope_heads(rows)
+        return rows, {n: h for n, h in heads.items() if n in ad.pairs}
+    example = family.example_config(arch) if family.example_config is not None else None
+    rows = _block_rows(family, arch, example) if example is not None else {}
+    if example is not None:
+        reordered = {n.split(".")[2] for n in _rope_heads(rows)}
+    else:  # no example: every weight of an architecture with reordered rows may be one
+        reordered = {n.split(".")[2] for n in ad.pairs} if arch in family.rope_pairs else set()
+    hit = sorted(n for n in ad.pairs if n.split(".")[2] in reordered)
+    if hit:
         raise AdapterError(
-            "a llama adapter of attn_q/attn_k needs its base model to undo llama.cpp's Q/K row order",
+            f"{hit[0]}: llama.cpp's converter reorders this {arch} weight's rows per head (RoPE pairs); undoing it "
+            "in lora_b needs the base model's head counts",
             hint="pass the base model: `toy export peft ADAPTER.gguf --base MODEL.gguf -o FOLDER`",
         )
-    from toy import models
-    from toy.adapters.apply import check_lora
-    from toy.gguf import GGUFFile
-
-    with GGUFFile(base) as gf:
-        check_lora(ad, gf)
-        cfg = models.config_from_gguf(gf)
-        return int(cfg.n_head), int(cfg.n_head_kv)
+    return rows, {}
