@@ -73,8 +73,16 @@ api-docs: setup
 api-docs-check: setup
     {{py}} tools/serve_api_docs.py --check
 
-# The gate: lint, tests, docs build, the coverage check and the server API page check.
-gate: lint test docs coverage-check api-docs-check
+# Regenerate docs/reference/hf-mapping.md (Hugging Face <-> GGUF names, from toy/models/*_hf.py).
+hf-tables: setup
+    {{py}} tools/hf_tables.py
+
+# Fail if the committed Hugging Face mapping page is stale.
+hf-tables-check: setup
+    {{py}} tools/hf_tables.py --check
+
+# The gate: lint, tests, docs build, the coverage check and the generated pages' checks.
+gate: lint test docs coverage-check api-docs-check hf-tables-check
 
 # The benchmarks' peer, llama-cpp-python (requirements/bench.txt), is installed on the first run: pip compiles
 # it from source, about 10 minutes on two cores, once. $TOY_BENCH_LLAMA_PYTHON names another Python instead.
