@@ -523,8 +523,8 @@ def _chunks(p: _Plan, weights: SafetensorsFolder) -> Iterator[np.ndarray]:
         return
     for s in p.sources:
         for start, stop, heads in _row_blocks(s.shape, s.op, s.heads):
-            x = weights.read_rows(s.hf_name, start, stop)
-            yield apply_op(x, s.op, heads)
+            # no local name: the generator's frame must not keep a block alive while the caller encodes it
+            yield apply_op(weights.read_rows(s.hf_name, start, stop), s.op, heads)
 
 
 def _write(
