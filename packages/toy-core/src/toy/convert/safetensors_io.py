@@ -20,6 +20,14 @@ requires), ``read_metadata(path)`` (its ``__metadata__``) and
 ``read_ref(ref, start, stop)`` (rows of one tensor). ``write_safetensors``
 writes a file streaming, one array at a time (the export and PEFT's).
 
+Why not the ``safetensors`` library: its NumPy API cannot read BF16 tensors
+(``safe_open(..., framework="np")`` raises "data type 'bfloat16' not
+understood" in safetensors 0.8.0, NumPy having no bfloat16), which most
+current checkpoints are; its torch API would bring torch to run time; and its
+writer takes every tensor at once, where the export streams them. The format
+is a JSON header and raw little-endian bytes, so the reader here is short and
+checks more than a loader needs to (gaps, overlaps, lying offsets).
+
 BF16 has no NumPy dtype: its 16 bits are the top half of a float32, so
 ``read`` returns it widened to float32 by a 16-bit shift (exact). F16 is
 returned as float16, F32 as float32.
