@@ -38,6 +38,7 @@ import pytest
 from toy.convert import HFImportError, import_hf
 from toy.convert.hf_tokenizer import special_vocab
 from toy_testsupport import gemma_ref, gpt2_ref, hf_llama_ref
+from toy_testsupport.hf_checks import assert_same_gguf, converted_once, edit_config
 
 pytest.importorskip("transformers")
 pytest.importorskip("sentencepiece")
@@ -60,39 +61,10 @@ TEXTS = [
 ]
 
 
-def assert_same_file(ref, got) -> None:
-    """Key for key (value and type) and tensor for tensor, then the whole file."""
-    from toy.gguf import GGUFFile
-
-    with GGUFFile(ref) as a, GGUFFile(got) as b:
-        assert list(a.metadata) == list(b.metadata)
-        for k, v in a.metadata.items():
-            assert a.types[k] == b.types[k], k
-            w = b.metadata[k]
-            if isinstance(v, (str, bool, int, float)):
-                assert type(v) is type(w) and v == w, k
-            else:
-                assert np.array_equal(np.asarray(v), np.asarray(w)), k
-        assert list(a.tensors) == list(b.tensors)
-        for n, t in a.tensors.items():
-            u = b.tensors[n]
-            assert (t.shape, t.dtype) == (u.shape, u.dtype), n
-            assert bytes(a.tensor_bytes(n)) == bytes(b.tensor_bytes(n)), n
-    assert ref.read_bytes() == got.read_bytes()
-
-
 @pytest.fixture(scope="module")
 def bf16_ref(tmp_path_factory):
     """llama.cpp's BF16 output of a gemma_ref folder (gemma_ref caches f32/f16/q8_0 only)."""
-    root = tmp_path_factory.mktemp("bf16")
-    cache: dict[str, object] = {}
-
-    def get(shape: str):
-        if shape not in cache:
-            cache[shape] = hf_llama_ref.convert(gemma_ref.hf_dir(shape), root / f"{shape}.gguf", "bf16")
-        return cache[shape]
-
-    return get
+    return converted_once(tmp_path_factory.mktemp("bf16"), gemma_ref.hf_dir, "bf16")
 
 
 def _reference(shape: str, outtype: str, bf16_ref):
@@ -108,7 +80,7 @@ def test_f32_import_is_the_converters_file(shape, tmp_path):
     report = import_hf(gemma_ref.hf_dir(shape), out, "f32", name=NAME)
     assert report.arch == gemma_ref.SHAPES[shape]["arch"]
     assert report.tied == gemma_ref.SHAPES[shape]["tie_word_embeddings"]
-    assert_same_file(gemma_ref.gguf_path(shape, 0, "f32"), out)
+    assert_same_gguf(gemma_ref.gguf_path(shape, 0, "f32"), out)
 
 
 @pytest.mark.slow
@@ -118,7 +90,7 @@ def test_import_is_the_converters_file(shape, outtype, tmp_path, bf16_ref):
     ref, name = _reference(shape, outtype, bf16_ref)
     out = tmp_path / "toy.gguf"
     import_hf(gemma_ref.hf_dir(shape), out, outtype, name=name)
-    assert_same_file(ref, out)
+    assert_same_gguf(ref, out)
 
 
 def _retyped(shape: str, dtype: str, dst):
@@ -151,7 +123,7 @@ def test_half_precision_checkpoints(shape, dtype, outtype, tmp_path):
     ref = hf_llama_ref.convert(folder, tmp_path / "ref.gguf", outtype)
     out = tmp_path / "toy.gguf"
     import_hf(folder, out, outtype, name=hf_llama_ref.MODEL_NAME)
-    assert_same_file(ref, out)
+    assert_same_gguf(ref, out)
 
 
 @pytest.mark.slow
@@ -169,7 +141,7 @@ def test_vocabulary_padded_to_vocab_size(shape, tmp_path):
     ref = hf_llama_ref.convert(folder, tmp_path / "ref.gguf", "f32")
     out = tmp_path / "toy.gguf"
     import_hf(folder, out, "f32", name=hf_llama_ref.MODEL_NAME)
-    assert_same_file(ref, out)
+    assert_same_gguf(ref, out)
     with GGUFFile(out) as gf:
         assert list(gf.metadata["tokenizer.ggml.tokens"])[-1] == f"[PAD{n - 1}]"
         assert gf.tensors["token_embd.weight"].shape == (n, fields["hidden_size"])
@@ -196,7 +168,7 @@ def test_llama_with_a_sentencepiece_tokenizer(tmp_path):
     ref = hf_llama_ref.convert(folder, tmp_path / "ref.gguf", "f32")
     out = tmp_path / "toy.gguf"
     import_hf(folder, out, "f32", name=hf_llama_ref.MODEL_NAME)
-    assert_same_file(ref, out)
+    assert_same_gguf(ref, out)
 
 
 def test_norms_plus_one_in_the_source_precision(tmp_path):
@@ -258,14 +230,7 @@ def test_tokenizer_of_the_import(tmp_path):
 def _copy(shape: str, tmp_path, **changes):
     folder = tmp_path / "hf"
     shutil.copytree(gemma_ref.hf_dir(shape), folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    for k, v in changes.items():
-        if v is ...:
-            cfg.pop(k, None)
-        else:
-            cfg[k] = v
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return folder
+    return edit_config(folder, **changes)
 
 
 def _refused(folder, tmp_path, field: str, *fragments: str) -> HFImportError:

@@ -13,7 +13,7 @@ nothing written.
 
 from __future__ import annotations
 
-import json
+import shutil
 
 import numpy as np
 import pytest
@@ -21,6 +21,7 @@ import pytest
 from toy.convert import HFImportError, import_hf
 from toy.gguf import GGUFFile
 from toy_testsupport import gpt2_ref, hf_llama_ref
+from toy_testsupport.hf_checks import assert_same_gguf, edit_config
 
 pytest.importorskip("transformers")
 
@@ -30,28 +31,6 @@ PROMPT = "The quick brown fox jumps over the lazy dog."
 @pytest.fixture(scope="module")
 def tiny():
     return gpt2_ref.hf_dir("tiny")
-
-
-def _equal(a, b) -> bool:
-    if isinstance(a, (str, bool, int, float)):
-        return type(a) is type(b) and a == b
-    return np.array_equal(np.asarray(a), np.asarray(b))
-
-
-def assert_same_gguf(ref, got) -> None:
-    """Key for key (value and type), tensor for tensor (name, shape, type,
-    bytes), then the files as a whole."""
-    with GGUFFile(ref) as a, GGUFFile(got) as b:
-        assert list(a.metadata) == list(b.metadata)
-        for k in a.metadata:
-            assert a.types[k] == b.types[k], k
-            assert _equal(a.metadata[k], b.metadata[k]), k
-        assert list(a.tensors) == list(b.tensors)
-        for n, t in a.tensors.items():
-            u = b.tensors[n]
-            assert (t.shape, t.dtype) == (u.shape, u.dtype), n
-            assert bytes(a.tensor_bytes(n)) == bytes(b.tensor_bytes(n)), n
-    assert ref.read_bytes() == got.read_bytes()
 
 
 @pytest.mark.parametrize("outtype", gpt2_ref.OUTTYPES)
@@ -107,20 +86,14 @@ def test_small124m_matches_llamacpp_converter(tmp_path):
 
 
 def _linked_copy(src, dst, **changes):
-    """``src`` with every file but config.json linked, and config.json edited
-    (``...`` removes a key)."""
+    """``src`` with every file but config.json linked, and a copy of
+    config.json edited (``edit_config``: ``...`` removes a key)."""
     dst.mkdir()
     for f in src.iterdir():
         if f.name != "config.json":
             (dst / f.name).symlink_to(f)
-    cfg = json.loads((src / "config.json").read_text())
-    for k, v in changes.items():
-        if v is ...:
-            cfg.pop(k, None)
-        else:
-            cfg[k] = v
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
+    shutil.copyfile(src / "config.json", dst / "config.json")
+    return edit_config(dst, **changes)
 
 
 @pytest.mark.parametrize(

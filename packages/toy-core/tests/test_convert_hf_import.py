@@ -31,6 +31,7 @@ from toy.errors import BadInputError
 from toy.gguf import GGUFFile
 from toy_testsupport import gpt2_ref, hf_llama_ref
 from toy_testsupport.cli_helpers import assert_clean_error, run
+from toy_testsupport.hf_checks import assert_nothing_written, assert_same_gguf, edit_config
 
 pytest.importorskip("transformers")
 
@@ -71,28 +72,6 @@ def converted(tmp_path_factory):
 
 def _folder(made, arch: str):
     return made(arch, arch=arch, **FIELDS[arch])
-
-
-def _values_equal(a, b) -> bool:
-    if isinstance(a, (str, bool, int, float)):
-        return type(a) is type(b) and a == b
-    return list(a) == list(b) if not isinstance(a, np.ndarray) else np.array_equal(a, np.asarray(b))
-
-
-def assert_same_gguf(ref, got) -> None:
-    """Key for key (value and type) and tensor for tensor (name, shape, type,
-    bytes), then the files as a whole."""
-    with GGUFFile(ref) as a, GGUFFile(got) as b:
-        assert list(a.metadata) == list(b.metadata)
-        for k in a.metadata:
-            assert a.types[k] == b.types[k], k
-            assert _values_equal(a.metadata[k], b.metadata[k]), k
-        assert list(a.tensors) == list(b.tensors)
-        for n, t in a.tensors.items():
-            u = b.tensors[n]
-            assert (t.shape, t.dtype) == (u.shape, u.dtype), n
-            assert bytes(a.tensor_bytes(n)) == bytes(b.tensor_bytes(n)), n
-    assert ref.read_bytes() == got.read_bytes()
 
 
 @pytest.mark.slow
@@ -180,21 +159,6 @@ def _copy(src, dst):
     return dst
 
 
-def _assert_nothing_written(out) -> None:
-    assert not out.exists()
-    assert [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")] == []
-
-
-def _edit_config(folder, **changes):
-    cfg = json.loads((folder / "config.json").read_text())
-    for k, v in changes.items():
-        if v is ...:
-            cfg.pop(k, None)
-        else:
-            cfg[k] = v
-    (folder / "config.json").write_text(json.dumps(cfg))
-
-
 def _header(path) -> tuple[int, dict]:
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
@@ -227,7 +191,7 @@ def _refused(folder, out, exc=BadInputError, *fragments, field=None):
     assert ei.value.hint
     if field is not None:
         assert ei.value.field == field
-    _assert_nothing_written(out)
+    assert_nothing_written(out)
     return ei.value
 
 
@@ -327,7 +291,7 @@ def test_read_metadata_and_read_ref(small):
 )
 def test_bad_config(small, changes, field, fragment):
     folder, out = small
-    _edit_config(folder, **changes)
+    edit_config(folder, **changes)
     _refused(folder, out, HFImportError, fragment, field=field)
 
 
@@ -468,10 +432,10 @@ def test_cli_convert(made, converted, tmp_path, capsys):
 
 def test_cli_errors(small, capsys, tmp_path):
     folder, out = small
-    _edit_config(folder, architectures=["GPTJForCausalLM"])
+    edit_config(folder, architectures=["GPTJForCausalLM"])
     code, _, err = run(capsys, "convert", folder, "-o", out)
     assert_clean_error(code, err, 2, "GPTJForCausalLM", hint=True)
-    _assert_nothing_written(out)
+    assert_nothing_written(out)
     code, _, err = run(capsys, "convert", tmp_path / "nope", "-o", out)
     assert_clean_error(code, err, 2, "no such folder", hint=True)
 
@@ -524,16 +488,6 @@ def test_peak_rss_135m_class(tmp_path):
 # ------------------------------------------------------------------ 124M class
 
 
-def _same_file(a, b, chunk: int = 16 << 20) -> bool:
-    with open(a, "rb") as fa, open(b, "rb") as fb:
-        while True:
-            x, y = fa.read(chunk), fb.read(chunk)
-            if x != y:
-                return False
-            if not x:
-                return True
-
-
 @pytest.mark.slow
 def test_124m_class_llama_matches_the_converter(tmp_path):
     """A GPT-2-small-sized llama (hidden 768, 12 layers, 12 heads with 4 KV
@@ -556,12 +510,4 @@ def test_124m_class_llama_matches_the_converter(tmp_path):
     out = tmp_path / "toy.gguf"
     report = import_hf(folder, out, "f32", name=hf_llama_ref.MODEL_NAME)
     assert report.tied and 120e6 < report.n_params < 130e6
-    with GGUFFile(ref) as a, GGUFFile(out) as b:
-        assert list(a.metadata) == list(b.metadata)
-        for k in a.metadata:
-            assert a.types[k] == b.types[k] and _values_equal(a.metadata[k], b.metadata[k]), k
-        assert list(a.tensors) == list(b.tensors)
-        for n, t in a.tensors.items():
-            assert (t.shape, t.dtype) == (b.tensors[n].shape, b.tensors[n].dtype), n
-            assert bytes(a.tensor_bytes(n)) == bytes(b.tensor_bytes(n)), n
-    assert _same_file(ref, out)
+    assert_same_gguf(ref, out)

@@ -14,15 +14,14 @@ tokens toy gives on the import.
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import numpy as np
 import pytest
 
 from toy.convert import HFImportError, import_hf
-from toy.gguf import GGUFFile
 from toy_testsupport import hf_llama_ref, moe_ref
+from toy_testsupport.hf_checks import assert_nothing_written, assert_same_gguf, converted_once, edit_config
 
 pytest.importorskip("transformers")
 
@@ -30,45 +29,10 @@ SHAPES = ("olmoe-tiny", "qwen2moe-tiny", "qwen3moe-tiny")
 IDS = [464, 2068, 7586, 21831, 18045, 625, 262, 16931, 3290, 13]
 
 
-def _values_equal(a, b) -> bool:
-    if isinstance(a, (str, bool, int, float)):
-        return type(a) is type(b) and a == b
-    return list(a) == list(b) if not isinstance(a, np.ndarray) else np.array_equal(a, np.asarray(b))
-
-
-def assert_same_gguf(ref, got) -> None:
-    """Key for key (value and type) and tensor for tensor (name, shape, type,
-    bytes), then the files as a whole (as test_convert_hf_import's)."""
-    with GGUFFile(ref) as a, GGUFFile(got) as b:
-        assert list(a.metadata) == list(b.metadata)
-        for k in a.metadata:
-            assert a.types[k] == b.types[k], k
-            assert _values_equal(a.metadata[k], b.metadata[k]), k
-        assert list(a.tensors) == list(b.tensors)
-        for n, t in a.tensors.items():
-            u = b.tensors[n]
-            assert (t.shape, t.dtype) == (u.shape, u.dtype), n
-            assert bytes(a.tensor_bytes(n)) == bytes(b.tensor_bytes(n)), n
-    assert ref.read_bytes() == got.read_bytes()
-
-
-def _assert_nothing_written(out) -> None:
-    assert not out.exists()
-    assert [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")] == []
-
-
 @pytest.fixture(scope="module")
 def bf16_reference(tmp_path_factory):
     """llama.cpp's converter with ``--outtype bf16`` on a moe_ref folder (once per shape)."""
-    root = tmp_path_factory.mktemp("moe-bf16")
-    cache: dict[str, object] = {}
-
-    def get(shape: str):
-        if shape not in cache:
-            cache[shape] = hf_llama_ref.convert(moe_ref.hf_dir(shape), root / f"{shape}.gguf", "bf16")
-        return cache[shape]
-
-    return get
+    return converted_once(tmp_path_factory.mktemp("moe-bf16"), moe_ref.hf_dir, "bf16")
 
 
 @pytest.mark.slow
@@ -121,10 +85,7 @@ def test_toy_runs_the_import_like_transformers(tmp_path, shape):
 
 
 def _copy_with_config(tmp_path, shape: str, **changes):
-    folder = shutil.copytree(moe_ref.hf_dir(shape), tmp_path / "hf")
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg.update(changes)
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = edit_config(shutil.copytree(moe_ref.hf_dir(shape), tmp_path / "hf"), **changes)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     return folder, out_dir / "m.gguf"
@@ -148,7 +109,7 @@ def test_moe_configs_toy_would_run_differently_are_refused(tmp_path, shape, chan
         import_hf(folder, out, "f32")
     assert ei.value.field == field, str(ei.value)
     assert ei.value.hint
-    _assert_nothing_written(out)
+    assert_nothing_written(out)
 
 
 def test_a_missing_expert_is_named(tmp_path):
@@ -165,4 +126,4 @@ def test_a_missing_expert_is_named(tmp_path):
     with pytest.raises(HFImportError) as ei:
         import_hf(folder, out, "f32")
     assert ei.value.field == gone and "blk.1.ffn_up_exps.weight" in str(ei.value)
-    _assert_nothing_written(out)
+    assert_nothing_written(out)

@@ -32,6 +32,7 @@ from toy.gguf import GGUFFile
 from toy.models.hf import HFMappingError
 from toy.models.rope_hf import llama3_freq_factors, rope_extra_tensors, rope_metadata_from_hf, rope_scaling_to_hf
 from toy_testsupport import gpt2_ref, hf_llama_ref
+from toy_testsupport.hf_checks import assert_same_gguf
 
 pytest.importorskip("transformers")
 
@@ -349,10 +350,7 @@ def test_import_equals_the_converters_file(case, tmp_path, tag):
     _, folder, ref = case(tag)
     out = tmp_path / "toy.gguf"
     import_hf(folder, out, "f32", name=hf_llama_ref.MODEL_NAME)
-    with GGUFFile(ref) as a, GGUFFile(out) as b:
-        assert list(a.metadata) == list(b.metadata)
-        assert list(a.tensors) == list(b.tensors)
-    assert ref.read_bytes() == out.read_bytes()
+    assert_same_gguf(ref, out)
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ Tests import the modules by their package path, e.g.
 - what several test modules share: ``train_helpers`` (training tests),
   ``llamacpp_parity`` (the llama.cpp parity tests), ``cli_helpers`` (the
   in-process ``toy`` of the CLI tests), ``serve_helpers`` (the live-server
-  checks);
+  checks), ``hf_checks`` (the Hugging Face conversion tests' checks);
 - benchmarks: ``bench_side`` (a benchmark's child process) and
   ``bench_models`` (the models they build once and cache).
 
