@@ -136,7 +136,9 @@ def generate() -> str:
         "## PEFT modules",
         "",
         "A PEFT key `base_model.model.<prefix>.{i}.<module>.lora_A.weight` adapts the GGUF weight "
-        "`blk.{i}.<stem>.weight`.",
+        "`blk.{i}.<stem>.weight`. A mixture of experts' expert modules (`mlp.experts.{j}.gate_proj` …, the "
+        "tensor rows with an expert above) adapt expert j of the stacked `ffn_*_exps` weight: the import stacks "
+        "them into llama.cpp's 3-D pairs.",
         "",
         "| family | prefix | module | GGUF stem |",
         "|---|---|---|---|",

@@ -118,10 +118,10 @@ def _router_choices(rt, path, ids):
     picks = []
     orig = moe.ffn
 
-    def spy(ctx, c, weights, lin, p, u, row_invariant=False):
+    def spy(ctx, c, weights, lin, p, u, row_invariant=False, lora=None):
         probs = ctx.soft_max(lin(f"{p}.ffn_gate_inp.weight", u)).set_output()
         picks.append(probs)
-        out = orig(ctx, c, weights, lin, p, u, row_invariant)
+        out = orig(ctx, c, weights, lin, p, u, row_invariant, lora)
         return ctx.add(out, ctx.scale(ctx.sum(probs), 0.0))  # + exactly 0: keeps probs in the graph
 
     moe.ffn = spy

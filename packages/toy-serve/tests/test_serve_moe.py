@@ -70,11 +70,11 @@ def test_the_prompts_route_to_different_experts(file_ref, file_path):
     picks = []
     orig = moe.ffn
 
-    def spy(ctx, c, weights, lin, p, u, row_invariant=False):
+    def spy(ctx, c, weights, lin, p, u, row_invariant=False, lora=None):
         probs = ctx.soft_max(lin(f"{p}.ffn_gate_inp.weight", u))
         if p == "blk.0":
             picks.append(probs.set_output())
-        out = orig(ctx, c, weights, lin, p, u, row_invariant)
+        out = orig(ctx, c, weights, lin, p, u, row_invariant, lora)
         return ctx.add(out, ctx.scale(ctx.sum(probs), 0.0))  # + exactly 0: keeps probs in the graph
 
     rt = toy_ggml.Runtime("cpu", threads=1)

@@ -9,7 +9,8 @@ merge`` (``toy.merge``) and the server's ``--lora`` go through here:
   scale) pair, or a list of them) as [(source, scale)];
 - ``check_lora``: the adapter fits an open base model (architecture, every
   adapted weight present with the pair's shape, and only weights the
-  architecture's forward adapts: its ``lora_targets``);
+  architecture's forward adapts: its ``lora_targets``, and on a mixture of
+  experts the stacked ``ffn_*_exps`` as 3-D pairs);
 - ``read_adapters``: the adapters read and checked against a base;
 - ``load_lora``: their A/B tensors in one allocated F32 context on a runtime,
   as the term map every engine graph adds ``scale · B (A x)`` from (see
@@ -77,7 +78,7 @@ def check_lora(adapter: Adapter, gf) -> None:
     forward adapts (its ``lora_targets``)."""
     adapter.check_base({name: tuple(info.shape) for name, info in gf.tensors.items()}, gf.architecture)
     cfg = models.config_from_gguf(gf)
-    stems = [t.stem for t in models.language_model_of(cfg).lora_targets(cfg).values()]
+    stems = [t.stem for t in models.language_model_of(cfg).lora_targets(cfg).values()] + inference_stems(cfg)
     bad = next((n for n in adapter.pairs if not ((m := _BLOCK_WEIGHT.fullmatch(n)) and m.group(1) in stems)), None)
     if bad is not None:
         where = f"{adapter.path}: " if adapter.path else ""
@@ -85,6 +86,26 @@ def check_lora(adapter: Adapter, gf) -> None:
             f"{where}adapts {bad}; toy applies LoRA to the attention and feed-forward projections only",
             hint=f"adapted weights are blk.N.{'/'.join(stems)}.weight",
         )
+
+
+#: the stacked expert weights whose 3-D pairs a mixture of experts' forward applies (``toy.models.moe``)
+EXPERT_STEMS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+#: a shared expert's projections (qwen2moe), 2-D, through the forward's LoRA projection
+SHARED_EXPERT_STEMS = ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+
+
+def expert_stems(cfg) -> list[str]:
+    """The stacked expert stems an adapter of a model with config ``cfg`` may adapt (3-D pairs)."""
+    return list(EXPERT_STEMS) if getattr(cfg, "n_expert", 0) else []
+
+
+def inference_stems(cfg) -> list[str]:
+    """The weights beyond the architecture's ``lora_targets`` an adapter may
+    adapt (imported adapters, applied at inference; training's targets stay
+    the ``lora_targets``): a mixture of experts' stacked experts (3-D pairs)
+    and its shared expert's projections."""
+    shared = list(SHARED_EXPERT_STEMS) if getattr(cfg, "n_expert", 0) and getattr(cfg, "d_ff_shared", 0) else []
+    return expert_stems(cfg) + shared
 
 
 def lora_items(lora) -> list[tuple[Any, float]]:
@@ -265,6 +286,8 @@ __all__ = [
     "adapter_digest",
     "check_adapter_name",
     "check_lora",
+    "expert_stems",
+    "inference_stems",
     "load_lora",
     "lora_context",
     "lora_items",

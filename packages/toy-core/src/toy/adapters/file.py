@@ -15,6 +15,11 @@ The file (what llama.cpp's ``llama_adapter_lora_init`` checks):
   (out, in)) two F32 tensors: ``W.lora_a`` of NumPy shape (r, in) and
   ``W.lora_b`` of shape (out, r) (ggml ``ne`` [in, r] and [r, out]: "lora_a
   transposed", as llama.cpp demands). The update is ``W x + scale · B (A x)``.
+  A mixture of experts' stacked weight ``blk.N.ffn_{gate,up,down}_exps.weight``
+  (NumPy (E, out, in)) takes a 3-D pair, one (A, B) per expert stacked as
+  llama.cpp's ``convert_lora_to_gguf.py`` writes them: ``lora_a`` (E, r, in),
+  ``lora_b`` (E, out, r); llama.cpp (``build_lora_mm_id``) and toy
+  (``toy.models.moe``) apply expert e's pair to the rows routed to e.
 - toy's own keys record how it was trained: ``toy.lora.targets`` (e.g.
   ["q", "k", "v", "o"]), ``toy.lora.rank``, ``toy.lora.alpha`` (the
   configured alpha), ``toy.lora.rslora``, ``toy.lora.dropout``,
@@ -55,11 +60,11 @@ class Adapter:
 
     @property
     def rank(self) -> int:
-        return int(next(iter(self.pairs.values()))[0].shape[0])
+        return int(next(iter(self.pairs.values()))[0].shape[-2])
 
     def scale(self, name: str) -> float:
         """llama.cpp's scale of one weight's update: alpha / rank (1 when alpha is 0)."""
-        r = self.pairs[name][0].shape[0]
+        r = self.pairs[name][0].shape[-2]
         return self.alpha / r if self.alpha else 1.0
 
     def check_base(self, base_shapes: Mapping[str, tuple[int, ...]], base_arch: str | None) -> None:
@@ -71,11 +76,26 @@ class Adapter:
             if name not in base_shapes:
                 raise AdapterError(f"{where}adapts {name}, which the model does not have", hint="wrong base model?")
             want = tuple(base_shapes[name])
-            if (b.shape[0], a.shape[1]) != want:
+            if pair_shape(a, b) != want:
                 raise AdapterError(
                     f"{where}{name}: lora_b {b.shape} x lora_a {a.shape} does not make the model's {want}",
                     hint="wrong base model?",
                 )
+
+
+def pair_shape(a: np.ndarray, b: np.ndarray) -> tuple[int, ...]:
+    """The base weight shape a pair adapts: (out, in), or (E, out, in) for an expert pair."""
+    return (int(b.shape[0]), int(a.shape[1])) if a.ndim == 2 else (int(b.shape[0]), int(b.shape[1]), int(a.shape[2]))
+
+
+def pairs_ok(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether lora_a and lora_b pair: 2-D (r, in) and (out, r), or 3-D expert
+    stacks (E, r, in) and (E, out, r) of one E and one rank."""
+    if a.ndim == 2 and b.ndim == 2:
+        return a.shape[0] == b.shape[1]
+    if a.ndim == 3 and b.ndim == 3:
+        return a.shape[0] == b.shape[0] and a.shape[1] == b.shape[2]
+    return False
 
 
 def lora_alpha_for_file(alpha: float, rank: int, rslora: bool) -> float:
@@ -147,12 +167,15 @@ def load_adapter(path: str | os.PathLike) -> Adapter:
         if set(h) != {".lora_a", ".lora_b"}:
             raise AdapterError(f"{path}: {wname} has only {next(iter(h))[1:]}")
         a, b = h[".lora_a"], h[".lora_b"]
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
-            raise AdapterError(f"{path}: {wname}: lora_a {a.shape} and lora_b {b.shape} do not pair (rank mismatch)")
+        if not pairs_ok(a, b):
+            raise AdapterError(
+                f"{path}: {wname}: lora_a {a.shape} and lora_b {b.shape} do not pair "
+                "(rank mismatch; 2-D pairs, or 3-D expert stacks (E, r, in) and (E, out, r))"
+            )
         pairs[wname] = (a, b)
     if not pairs:
         raise AdapterError(f"{path}: no LoRA tensors")
     return Adapter(arch, alpha, pairs, meta, path)
 
 
-__all__ = ["Adapter", "AdapterError", "load_adapter", "lora_alpha_for_file", "save_adapter"]
+__all__ = ["Adapter", "AdapterError", "load_adapter", "lora_alpha_for_file", "pair_shape", "pairs_ok", "save_adapter"]

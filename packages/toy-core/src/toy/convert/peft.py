@@ -37,13 +37,20 @@ cannot express, the ratio is folded into that module's ``lora_b``.
 Refused, each with an error naming what and saying what to do:
 ``modules_to_save`` (fully trained tensors, e.g. an embedding or a head: no
 place in an adapter file), targets outside the blocks' projections
-(``embed_tokens``, ``lm_head``: tied or not, llama.cpp adapts neither), MoE
-experts (told by the family's rows with ``expert``: llama.cpp's format could
-hold them as 3-D pairs of ``ffn_*_exps``, but toy's LoRA adapts 2-D
-projections only, so the hint names the targets it takes), DoRA
+(``embed_tokens``, ``lm_head``: tied or not, llama.cpp adapts neither), an
+adapter of some experts of a module but not all (see below), DoRA
 (``use_dora``: magnitude vectors llama.cpp does not apply), LoRA biases
 (``bias`` other than "none"), non-LoRA PEFT types, and an adapter whose
 modules or shapes do not match ``base`` (naming the tensor).
+
+Mixture-of-experts experts (the family's tensor rows with ``expert=J``:
+PEFT's ``model.layers.N.mlp.experts.J.down_proj`` is expert J of
+``blk.N.ffn_down_exps.weight``): the import stacks every expert's pair into
+llama.cpp's 3-D pair (``lora_a`` (E, r, in), ``lora_b`` (E, out, r), what
+its ``convert_lora_to_gguf.py`` writes; applied by ``toy.models.moe.ffn``),
+each expert's ``alpha_pattern`` ratio folded into its own ``lora_b``; every
+expert must be there with one rank, else the error names the first missing
+one. The export writes one PEFT module per expert.
 
 The export records toy's own keys (``general.name``, ``toy.lora.*``) in the
 safetensors header's ``__metadata__`` (PEFT ignores it), so importing an
@@ -234,9 +241,8 @@ def _not_a_target(
     row = rows.get(rel)
     if row is not None and row.expert is not None:
         return PeftAdapterError(
-            f"{key} adapts {mod}, expert {row.expert} of the stacked {row.gguf}: toy applies LoRA to 2-D "
-            "projections only and cannot adapt mixture-of-experts experts (llama.cpp's format would hold them "
-            "as 3-D ffn_*_exps pairs; toy refuses rather than drop them)",
+            f"{key} adapts {mod}, expert {row.expert} of the stacked {row.gguf}, which toy's LoRA does not "
+            "adapt on this model (toy refuses rather than drop it)",
             hint=f"train the adapter on the attention projections and the router only (target_modules from "
             f"{usable}), or merge it into the base with PEFT (merge_and_unload) and `toy convert` the merged folder",
             field=key,
@@ -259,7 +265,7 @@ def import_peft(folder: str | os.PathLike[str], base: str | os.PathLike[str], ou
     """Convert the PEFT LoRA adapter in ``folder`` for the GGUF model ``base``
     into an adapter GGUF at ``out`` (atomically); returns its path."""
     from toy import models
-    from toy.adapters.apply import check_lora
+    from toy.adapters.apply import check_lora, expert_stems, inference_stems
     from toy.gguf import GGUFFile
 
     folder, out = Path(folder), Path(out)
@@ -292,8 +298,12 @@ def import_peft(folder: str | os.PathLike[str], base: str | os.PathLike[str], ou
         pattern = _key_pattern(family)
         rows = _block_rows(family, arch, mcfg)
         rope_heads = _rope_heads(rows)
+        xstems = expert_stems(mcfg)
         halves: dict[str, dict[str, np.ndarray]] = {}
         keys: dict[str, str] = {}
+        # experts: GGUF name of the stacked tensor -> expert -> half -> matrix (and the PEFT module of each)
+        xhalves: dict[str, dict[int, dict[str, np.ndarray]]] = {}
+        xkeys: dict[tuple[str, int], str] = {}
         for key, a in tensors.items():
             if "lora_magnitude_vector" in key:
                 raise PeftAdapterError(
@@ -305,13 +315,19 @@ def import_peft(folder: str | os.PathLike[str], base: str | os.PathLike[str], ou
             if not m:
                 raise _not_a_block_target(key, p, arch)
             name = gguf_name(arch, key)
-            if name is None:
-                raise _not_a_target(key, f"{int(m.group('layer'))}.{m.group('module')}.weight", rows, targets, family)
             if a.ndim != 2:
                 raise PeftAdapterError(f"{folder / WEIGHTS}: {key} has shape {a.shape}, expected 2-D")
+            if name is None:
+                row = rows.get(f"{int(m.group('layer'))}.{m.group('module')}.weight")
+                if row is not None and row.expert is not None and row.gguf and row.gguf.split(".")[2] in xstems:
+                    xhalves.setdefault(row.gguf, {}).setdefault(row.expert, {})[m.group("half")] = a
+                    xkeys[(row.gguf, row.expert)] = key.split(".lora_")[0].removeprefix("base_model.model.")
+                    continue
+                raise _not_a_target(key, f"{int(m.group('layer'))}.{m.group('module')}.weight", rows, targets, family)
             halves.setdefault(name, {})[m.group("half")] = a
             keys[name] = key.split(".lora_")[0].removeprefix("base_model.model.")
         order = {t.stem: j for j, t in enumerate(targets.values())}
+        order.update({stem: len(order) + j for j, stem in enumerate(inference_stems(mcfg))})
 
         def sort_key(n: str) -> tuple[int, int]:
             parts = n.split(".")
@@ -319,15 +335,66 @@ def import_peft(folder: str | os.PathLike[str], base: str | os.PathLike[str], ou
 
         pairs: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         file_alpha = lora_alpha_for_file(alpha0, r0, rslora)
-        for name in sorted(halves, key=sort_key):
-            h = halves[name]
+
+        def pair(h: dict[str, np.ndarray], key: str) -> tuple[np.ndarray, np.ndarray]:
             if set(h) != {"A", "B"}:
-                raise PeftAdapterError(f"{folder / WEIGHTS}: {keys[name]} has lora_{next(iter(h))} only")
+                raise PeftAdapterError(f"{folder / WEIGHTS}: {key} has lora_{next(iter(h))} only")
             a, b = h["A"], h["B"]
             if a.shape[0] != b.shape[1]:
                 raise PeftAdapterError(
-                    f"{folder / WEIGHTS}: {keys[name]}: lora_A {a.shape} and lora_B {b.shape} differ in rank"
+                    f"{folder / WEIGHTS}: {key}: lora_A {a.shape} and lora_B {b.shape} differ in rank"
                 )
+            return a, b
+
+        def folded(a: np.ndarray, b: np.ndarray, mod: str) -> np.ndarray:
+            """b with the module's PEFT scale / the file's (alpha_pattern, another rank) folded in."""
+            r = a.shape[0]
+            alpha = _pattern(patterns["alpha_pattern"], mod, alpha0, f"{p}: alpha_pattern")
+            want = alpha / (math.sqrt(r) if rslora else r)
+            have = file_alpha / r
+            return b * np.float32(want / have) if not math.isclose(want, have, rel_tol=1e-6) else b
+
+        for name, per in xhalves.items():  # the experts' pairs stacked into llama.cpp's 3-D pairs
+            n_exp = shapes[name][0] if name in shapes and len(shapes[name]) == 3 else max(per) + 1
+            missing = [j for j in range(n_exp) if j not in per]
+            if missing:
+                rel = next(r for r, t in rows.items() if t.gguf == name and t.expert == missing[0])
+                mod = f"{family.peft_prefix}.{rel.removesuffix('.weight')}"
+                raise PeftAdapterError(
+                    f"{folder / WEIGHTS}: {name} is adapted for experts {sorted(per)} but not for expert "
+                    f"{missing[0]} ({mod}: no lora_A/lora_B){' and others' if len(missing) > 1 else ''}: llama.cpp's "
+                    "format stacks one pair per expert, for every expert of the tensor",
+                    hint="train the adapter with every expert of a targeted module (PEFT target_modules matching "
+                    "them all), or merge it into the base with PEFT (merge_and_unload) and convert the merged model",
+                    field=mod,
+                )
+            stack_a: list[np.ndarray] = []
+            stack_b: list[np.ndarray] = []
+            for j in range(n_exp):
+                a, b = pair(per[j], xkeys[(name, j)])
+                if stack_a and a.shape != stack_a[0].shape:
+                    raise PeftAdapterError(
+                        f"{folder / WEIGHTS}: {xkeys[(name, j)]}: lora_A {a.shape} differs from expert 0's "
+                        f"{stack_a[0].shape}: the experts of one tensor need one rank",
+                        hint="train without rank_pattern entries for single experts",
+                    )
+                stack_a.append(a)
+                stack_b.append(folded(a, b, xkeys[(name, j)]))
+            halves[name] = {"A": np.stack(stack_a), "B": np.stack(stack_b)}
+            keys[name] = xkeys[(name, 0)]
+        for name in sorted(halves, key=sort_key):
+            h = halves[name]
+            if name in xhalves:
+                a, b = h["A"], h["B"]
+                if name not in shapes or tuple(shapes[name]) != (b.shape[0], b.shape[1], a.shape[2]):
+                    raise PeftAdapterError(
+                        f"{keys[name]} -> {name}: the experts' lora_B x lora_A {(b.shape[0], b.shape[1], a.shape[2])} "
+                        f"do not make the base's {shapes.get(name)}",
+                        hint="the adapter was trained on another model: convert it with that model as --base",
+                    )
+                pairs[name] = (np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b, np.float32))
+                continue
+            a, b = pair(h, keys[name])
             if name not in shapes:
                 raise PeftAdapterError(
                     f"{keys[name]} -> {name}: the base model {base} has no such tensor",
@@ -338,13 +405,7 @@ def import_peft(folder: str | os.PathLike[str], base: str | os.PathLike[str], ou
                     f"{keys[name]} -> {name}: lora_B {b.shape} x lora_A {a.shape} does not make the base's {shapes[name]}",
                     hint="the adapter was trained on another model: convert it with that model as --base",
                 )
-            r = a.shape[0]
-            mod = keys[name]
-            alpha = _pattern(patterns["alpha_pattern"], mod, alpha0, f"{p}: alpha_pattern")
-            want = alpha / (math.sqrt(r) if rslora else r)
-            have = file_alpha / r
-            if not math.isclose(want, have, rel_tol=1e-6):
-                b = b * np.float32(want / have)
+            b = folded(a, b, keys[name])
             if name in rope_heads:
                 b = permute_rows(b, rope_heads[name])
             pairs[name] = (np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b, np.float32))
@@ -420,7 +481,7 @@ def export_peft(
         raise BadInputError(f"{out} exists and is not an empty folder", hint="choose a new output folder")
     arch = ad.architecture
     meta = ad.meta
-    ranks = {n: int(a.shape[0]) for n, (a, _) in ad.pairs.items()}
+    ranks = {n: int(a.shape[-2]) for n, (a, _) in ad.pairs.items()}
     r0 = int(meta.get("toy.lora.rank", ad.rank))
     rslora = bool(meta.get("toy.lora.rslora", False))
     alpha = float(meta.get("toy.lora.alpha", ad.alpha))
@@ -437,23 +498,38 @@ def export_peft(
     modules: list[str] = []
     rank_pattern: dict[str, int] = {}
     alpha_pattern: dict[str, float] = {}
-    for name, (a, b) in ad.pairs.items():
-        mod = peft_module(arch, name)
-        if name in rope_heads:
-            b = unpermute_rows(b, rope_heads[name])
-        r = ranks[name]
-        # the module's PEFT scale must be llama.cpp's (file alpha / its rank): where the config's
-        # alpha does not give it (another rank, or no file alpha: scale 1), an alpha_pattern entry does
-        root = math.sqrt(r) if rslora else r
-        if not math.isclose(peft_alpha / root, ad.scale(name), rel_tol=1e-6):
-            alpha_pattern[mod] = ad.scale(name) * root
-        if r != r0:
-            rank_pattern[mod] = r
-        tensors[f"base_model.model.{mod}.lora_A.weight"] = a
-        tensors[f"base_model.model.{mod}.lora_B.weight"] = b
-        short = mod.rsplit(".", 1)[1]
-        if short not in modules:
-            modules.append(short)
+    experts = _expert_modules(rows, family)
+    for name, (a2, b2) in ad.pairs.items():
+        if a2.ndim == 3:  # a mixture of experts' stacked pair: one PEFT module per expert
+            m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
+            assert m is not None  # check_lora / _export_rows: an adapted block weight
+            per = []
+            for j in range(a2.shape[0]):
+                rel = experts.get((m.group(2), j))
+                if rel is None:
+                    raise AdapterError(
+                        f"{name}: no PEFT module for expert {j} of this {arch} weight",
+                        hint="pass the base model: `toy export peft ADAPTER.gguf --base MODEL.gguf -o FOLDER`",
+                    )
+                per.append((f"{family.peft_prefix}.{m.group(1)}.{rel}", a2[j], b2[j]))
+        else:
+            per = [(peft_module(arch, name), a2, b2)]
+        for mod, a, b in per:
+            if name in rope_heads:
+                b = unpermute_rows(b, rope_heads[name])
+            r = ranks[name]
+            # the module's PEFT scale must be llama.cpp's (file alpha / its rank): where the config's
+            # alpha does not give it (another rank, or no file alpha: scale 1), an alpha_pattern entry does
+            root = math.sqrt(r) if rslora else r
+            if not math.isclose(peft_alpha / root, ad.scale(name), rel_tol=1e-6):
+                alpha_pattern[mod] = ad.scale(name) * root
+            if r != r0:
+                rank_pattern[mod] = r
+            tensors[f"base_model.model.{mod}.lora_A.weight"] = a
+            tensors[f"base_model.model.{mod}.lora_B.weight"] = b
+            short = mod.rsplit(".", 1)[1]
+            if short not in modules:
+                modules.append(short)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -493,6 +569,16 @@ def export_peft(
             f.unlink()
         tmp.rmdir()
         raise
+    return out
+
+
+def _expert_modules(rows: Mapping[str, HFTensor], family: HFFamily) -> dict[tuple[str, int], str]:
+    """(GGUF stem, expert) -> the expert's module inside a block (``mlp.experts.J.down_proj``), from the
+    family's rows (``expert=J``) of any layer."""
+    out: dict[tuple[str, int], str] = {}
+    for rel, t in rows.items():
+        if t.expert is not None and t.gguf and rel.endswith(".weight"):
+            out.setdefault((t.gguf.split(".")[2], t.expert), rel.split(".", 1)[1].removesuffix(".weight"))
     return out
 
 

@@ -186,9 +186,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ adapters
 
     def _count_lora_ops(self) -> int:
-        # each LoRA term adds 4 ops (A x, B (A x), scale, add) to a graph, a selectable one 5 (its row feed)
+        # each LoRA term adds 4 ops (A x, B (A x), scale, add) to a graph, a selectable one up to 6 (its row
+        # feed; an expert term reshapes it)
         n = 4 * sum(len(t) for t in (self.lora or {}).values())
-        return n + 5 * sum(len(t) for a in self.adapters if a is not None for t in a.values())
+        return n + 6 * sum(len(t) for a in self.adapters if a is not None for t in a.values())
 
     def _live_adapters(self) -> list[int]:
         return [j for j, a in enumerate(self.adapters) if a is not None]

@@ -327,7 +327,7 @@ def forward(
             x = ctx.get_rows(x, out_rows)  # (N, d): the rows whose logits are wanted
         h = norm(x, weights[f"{p}.ffn_norm.weight"])
         if cfg.n_expert:
-            x = ctx.add(x, moe.ffn(ctx, cfg, weights, lin, p, h, row_invariant))
+            x = ctx.add(x, moe.ffn(ctx, cfg, weights, lin, p, h, row_invariant, lora))
             if taps is not None:
                 taps.append(x)
             continue
@@ -394,7 +394,8 @@ def params(cfg: LlamaConfig) -> dict[str, ParamInfo]:
 def lora_targets(cfg: LlamaConfig) -> dict[str, LoraTarget]:
     """q, k, v, o on attention; gate, up, down on a dense feed-forward, or
     ``router`` (``ffn_gate_inp``) on a mixture of experts, whose experts
-    (3-D tensors) take no adapter."""
+    (3-D tensors) take no trained adapter (an imported one's 3-D pairs are
+    applied at inference: ``toy.models.moe.ffn``)."""
     H, Hkv, D, d, f = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.d_model, cfg.d_ff
     out = {
         "q": LoraTarget("attn_q", "attn_in", d, H * D),

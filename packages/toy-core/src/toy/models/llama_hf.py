@@ -415,6 +415,11 @@ HF = HFFamily(
         "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
         "mlp.gate": "ffn_gate_inp",
+        # qwen2moe's shared expert (imported adapters; the stacked experts are the tensors' rows with expert=J)
+        "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+        "mlp.shared_expert.up_proj": "ffn_up_shexp",
+        "mlp.shared_expert.down_proj": "ffn_down_shexp",
+        "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
     },
     rope_pairs=ROPE_PAIRS,
     sentencepiece=("llama", "qwen2", "qwen3"),  # LlamaModel / Qwen2Model / Qwen3Model read tokenizer.model first

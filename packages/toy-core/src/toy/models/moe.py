@@ -111,10 +111,17 @@ def params(cfg, p: str) -> dict[str, ParamInfo]:
     return out
 
 
-def ffn(ctx, cfg, weights, lin, p: str, u, row_invariant: bool = False):
+def ffn(ctx, cfg, weights, lin, p: str, u, row_invariant: bool = False, lora=None):
     """The MoE feed-forward of layer ``p`` on u (T, d) -> (T, d) (see the
     module docstring). ``lin(name, x)`` is the family's projection (LoRA
-    terms included): the router and the shared expert go through it."""
+    terms included): the router and the shared expert go through it.
+    ``lora`` (the forward's term map) may hold 3-D terms of the experts
+    (``ffn_{gate,up,down}_exps``: A (E, r, in), B (E, out, r)), added as
+    llama.cpp's ``build_lora_mm_id`` does: ``scale · B_e (A_e x)`` for each
+    (token, slot) routed to expert e, by two more ``mul_mat_id`` products
+    (nothing is added without them). Their ``drop`` is None or the engine's
+    per-sequence row masks (a tuple of (rows, 1) tensors, the one with the
+    input's row count used); a training dropout mask is refused."""
     T, d, k = u.shape[0], cfg.d_model, cfg.n_expert_used
     probs = ctx.soft_max(lin(f"{p}.ffn_gate_inp.weight", u))  # (T, E)
     sel = ctx.argsort_top_k(probs, k)  # (T, k) I32, most probable first
@@ -127,8 +134,27 @@ def ffn(ctx, cfg, weights, lin, p: str, u, row_invariant: bool = False):
         w = ctx.reshape(ctx.div(w2, ctx.repeat(total, (T, k))), (T, k, 1))
     x = ctx.reshape(u, (T, 1, d))
 
+    def mm_id(w, a):
+        return ctx.mul_mat_id(w, a, sel, row_invariant=row_invariant)
+
     def experts(which: str, a):
-        return ctx.mul_mat_id(weights[f"{p}.ffn_{which}_exps.weight"], a, sel, row_invariant=row_invariant)
+        name = f"{p}.ffn_{which}_exps.weight"
+        y = mm_id(weights[name], a)
+        for la, lb, s, drop in lora.get(name, ()) if lora else ():
+            y = ctx.add(y, ctx.scale(mm_id(lb, mm_id(la, expert_input(name, a, drop))), s))
+        return y
+
+    def expert_input(name: str, a, drop):
+        """a (T, 1 or k, in) times a per-sequence row mask (T, 1) (the engine's selectable adapters)."""
+        if drop is None:
+            return a
+        if not isinstance(drop, tuple):
+            raise ValueError(
+                f"{name}: expert LoRA pairs are applied at inference only; training (dropout masks) adapts "
+                "the 2-D projections (the architecture's lora_targets)"
+            )
+        m = next(d for d in drop if d.shape[0] == a.shape[0])
+        return ctx.mul(a, ctx.reshape(m, (a.shape[0], 1, 1)))
 
     h = ctx.swiglu(experts("gate", x), experts("up", x))  # (T, k, F)
     y = ctx.mul(experts("down", h), w)  # (T, k, d), each slot scaled by its probability
