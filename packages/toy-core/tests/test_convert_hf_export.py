@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import shutil
 
 import numpy as np
 import pytest
@@ -149,16 +148,22 @@ def test_gpt2_round_trip_through_llamacpps_converter_gives_the_same_bytes(tmp_pa
 @pytest.mark.parametrize("shape", ["gemma2-tiny", "gemma3-tiny", "olmoe-tiny", "qwen2moe-tiny", "qwen3moe-tiny"])
 def test_gemma_and_moe_round_trip_through_llamacpps_converter_gives_the_same_bytes(tmp_path, shape):
     """Gemma's norm gains (stored by llama.cpp as 1 + w) come back exactly; the experts, split into
-    Hugging Face's per-expert matrices, are stacked again. llama.cpp's converter reads a Gemma vocabulary
-    from sentencepiece's tokenizer.model, which the export does not write: the reference folder's
-    tokenizer files are put beside the exported weights (this checks the tensors only)."""
+    Hugging Face's per-expert matrices, are stacked again. The exported tokenizer files alone give the
+    converter the original vocabulary: Gemma's through the tokenizer.model the export writes
+    (test_convert_hf_spm_export.py checks every tokenizer key), the MoE models' BPE through
+    tokenizer.json, whose probe-text tokenization the converter recognises as GPT-2's pre-tokenizer
+    (it did not while the export named the file's padding token, an ordinary ``"``, as special)."""
     ref = gemma_ref if shape.startswith("gemma") else moe_ref
     src = ref.gguf_path(shape, 0, "f32")
     export_hf(src, tmp_path / "hf")
-    for p in ref.hf_dir(shape, 0).glob("tokenizer*"):
-        shutil.copy(p, tmp_path / "hf" / p.name)
     back = gpt2_ref.convert_to_gguf(tmp_path / "hf", tmp_path / "back.gguf", "f32")
     _same_tensor_bytes(src, back)
+    with GGUFFile(src) as a, GGUFFile(back) as b:
+        for k in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+            assert (k in a.metadata) == (k in b.metadata), k
+            if k in a.metadata:
+                want, got = a.metadata[k], b.metadata[k]
+                assert (list(want) == list(got)) if isinstance(want, list) else want == got, k
 
 
 @pytest.mark.parametrize(
@@ -174,16 +179,13 @@ def test_gemma_and_moe_round_trip_through_llamacpps_converter_gives_the_same_byt
 )
 def test_round_trip_through_toys_own_import_gives_the_same_bytes(tmp_path, shape, outtype):
     """GGUF -> Hugging Face -> GGUF with toy both ways (the same tables read in both directions): every
-    tensor comes back with its type and bytes. As above, a Gemma folder gets the reference's tokenizer
-    files (toy's import, like the converter, reads Gemma's vocabulary from tokenizer.model)."""
+    tensor comes back with its type and bytes (toy's import, like the converter, reads Gemma's
+    vocabulary from the exported tokenizer.model)."""
     from toy.convert import import_hf
 
     ref = gpt2_ref if shape == "tiny" else gemma_ref if shape.startswith("gemma") else moe_ref
     src = ref.gguf_path(shape, 0, outtype)
     export_hf(src, tmp_path / "hf")
-    if ref is gemma_ref:
-        for p in ref.hf_dir(shape, 0).glob("tokenizer*"):
-            shutil.copy(p, tmp_path / "hf" / p.name)
     import_hf(tmp_path / "hf", tmp_path / "back.gguf", outtype)
     _same_tensor_bytes(src, tmp_path / "back.gguf")
 

@@ -5,7 +5,8 @@ Face folder (config.json, safetensors, tokenizer files,
 generation_config.json) that ``transformers`` loads without GGUF
 (``toy.convert.hf_export``). It prints the files written on stdout (or a
 JSON report with ``--json``) and, on stderr, a note when quantized weights
-were dequantized to F32. ``--shard-size`` splits the weights into numbered
+were dequantized to F32 and the report's notes (a SentencePiece vocabulary's
+``tokenizer.model`` left out without the ``sentencepiece`` extra). ``--shard-size`` splits the weights into numbered
 safetensors shards plus an index above that many bytes (``5GB`` by default,
 as transformers does).
 
@@ -74,6 +75,8 @@ def hf(
             f"(the folder holds the values the GGUF file computes with, not the original training weights)",
             err=True,
         )
+    for note in report.notes:
+        typer.echo(f"note: {note}", err=True)
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
         return

@@ -6,7 +6,8 @@ architecture's fields, read from the GGUF metadata through toy's registry
 config), the weights as safetensors (``model.safetensors``, or numbered
 shards plus ``model.safetensors.index.json`` above ``shard_bytes``), the
 tokenizer (``tokenizer.json``, ``tokenizer_config.json`` with the chat
-template, ``special_tokens_map.json``: ``toy.tokenizer.export``) and
+template, ``special_tokens_map.json``, and for a SentencePiece vocabulary
+``tokenizer.model``: ``toy.tokenizer.export``) and
 ``generation_config.json``, for every registered language architecture:
 llama, qwen2, qwen3, gpt2, gemma2, gemma3 (as ``Gemma3ForCausalLM``, the
 text model), olmoe, qwen2moe and qwen3moe.
@@ -94,6 +95,7 @@ class ExportReport:
     n_tensors: int = 0
     n_bytes: int = 0
     dequantized: list[str] = field(default_factory=list)  # GGUF tensors that were quantized (written as F32)
+    notes: list[str] = field(default_factory=list)  # what was left out and why (tokenizer.model without sentencepiece)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -104,6 +106,7 @@ class ExportReport:
             "n_tensors": self.n_tensors,
             "n_bytes": self.n_bytes,
             "dequantized": list(self.dequantized),
+            "notes": list(self.notes),
         }
 
 
@@ -326,7 +329,7 @@ def export_hf(
             gen = {k + "_token_id": v for k, v in specials.items() if v is not None}
             (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
             n_ctx = config.get("max_position_embeddings", config.get("n_positions"))
-            tok_files = export_tokenizer(tok, template, tmp, n_ctx=n_ctx)
+            tok_files = export_tokenizer(tok, template, tmp, n_ctx=n_ctx, metadata=meta, notes=report.notes)
             names += ["config.json", "generation_config.json", *(p.name for p in tok_files)]
             if dest.exists():
                 dest.rmdir()  # empty (checked above)
