@@ -26,6 +26,8 @@ pytest.importorskip("transformers")
 from toy.adapters import AdapterError  # noqa: E402
 from toy.convert.peft import PeftAdapterError, export_peft, import_peft  # noqa: E402
 from toy_testsupport import gpt2_ref  # noqa: E402
+from toy_testsupport.hf_checks import torch_logits as _torch_logits  # noqa: E402
+from toy_testsupport.hf_checks import toy_logits as _toy_logits  # noqa: E402
 from toy_testsupport.train_helpers import seeded_adapter  # noqa: E402
 
 IDS = [464, 2068, 7586, 21831, 18045, 625, 262, 16931, 3290, 13, 50256, 11, 314]
@@ -90,20 +92,6 @@ def _hf(hf_dir):
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def _torch_logits(model, ids) -> np.ndarray:
-    import torch
-
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().numpy()
-
-
-def _toy_logits(gguf, ids, lora=None) -> np.ndarray:
-    import toy
-
-    with toy.load(gguf, threads=1, n_ctx=64, kv_type="f32", lora=lora) as m:
-        return np.asarray(m.logits(ids), np.float32)
 
 
 def _train_peft(hf_dir, out: Path, *, targets, steps=4, seed=1, **lora) -> Path:

@@ -29,33 +29,15 @@ pytest.importorskip("transformers")
 
 from toy.convert.peft import PeftAdapterError, export_peft, import_peft  # noqa: E402
 from toy_testsupport import moe_ref  # noqa: E402
+from toy_testsupport.hf_checks import hf_causal_lm as _hf  # noqa: E402
+from toy_testsupport.hf_checks import torch_logits as _torch_logits  # noqa: E402
+from toy_testsupport.hf_checks import toy_logits as _toy_logits  # noqa: E402
 
 EXPERT_TARGETS = ["gate_proj", "up_proj", "down_proj"]  # qwen2moe: its shared expert's projections too
 
 
 def _tol(ref: np.ndarray) -> float:
     return 2e-4 * float(np.abs(ref).max()) + 1e-5
-
-
-def _hf(hf_dir):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def _torch_logits(model, ids) -> np.ndarray:
-    import torch
-
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().numpy()
-
-
-def _toy_logits(gguf, ids, lora=None) -> np.ndarray:
-    import toy
-
-    with toy.load(gguf, threads=1, n_ctx=64, kv_type="f32", lora=lora) as m:
-        return np.asarray(m.logits(ids), np.float32)
 
 
 def _peft_adapter(hf_dir, out: Path, targets, seed: int = 3) -> Path:

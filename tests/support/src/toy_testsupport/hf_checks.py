@@ -17,7 +17,11 @@ imported as ``from toy_testsupport.hf_checks import ...`` by the
 - ``converted_once(root, hf_dir, outtype)``: a getter ``get(shape)`` of
   llama.cpp's converter output for ``hf_dir(shape)`` (a reference module's
   ``hf_dir``), converted once per shape under ``root``: the outputs the
-  reference caches do not hold (BF16).
+  reference caches do not hold (BF16);
+- ``hf_causal_lm(folder)``, ``torch_logits(model, ids)``: a transformers
+  model in float32 with eager attention and its logits (T, V) for ``ids``;
+  ``toy_logits(gguf, ids, lora=None)``: toy's (F32 KV cache, one thread),
+  with an adapter applied when given (the PEFT adapter tests).
 """
 
 from __future__ import annotations
@@ -110,3 +114,27 @@ def converted_once(root, hf_dir: Callable[[str], Path], outtype: str = "bf16") -
         return cache[shape]
 
     return get
+
+
+def hf_causal_lm(folder):
+    """transformers' model of ``folder`` in float32 with eager attention, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def torch_logits(model, ids) -> np.ndarray:
+    """A transformers (or PEFT) model's logits (T, V) for one sequence of ids, as float32."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def toy_logits(gguf, ids, lora=None) -> np.ndarray:
+    """toy's logits (T, V) for ``ids`` (F32 KV cache, one thread), with the adapter ``lora`` when given."""
+    import toy
+
+    with toy.load(gguf, threads=1, n_ctx=64, kv_type="f32", lora=lora) as m:
+        return np.asarray(m.logits(ids), np.float32)

@@ -61,7 +61,7 @@ import struct
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from toy.models.hf import HFFamily, HFMappingError, HFTensor, MetaEntry
+from toy.models.hf import LLAMA_STYLE_LINEAR, HFFamily, HFMappingError, HFTensor, MetaEntry
 
 ARCHS = ("gemma2", "gemma3")
 CLASSES = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
@@ -102,16 +102,7 @@ _BIG = {"gemma2": 46, "gemma3": 62}
 #: the sliding-window period llama.cpp assumes (a layer i slides unless i % period == period - 1)
 _PERIOD = {"gemma2": 2, "gemma3": 6}
 
-#: a block's linear modules: Hugging Face (inside ``model.layers.{i}``) -> GGUF stem (PEFT's names too)
-_LINEAR = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
+_LINEAR = LLAMA_STYLE_LINEAR  # a block's linear modules: Hugging Face -> GGUF stem (PEFT's names too)
 
 
 def _check_arch(arch: str) -> None:

@@ -81,6 +81,18 @@ class HFTensor:
             raise ValueError(f"unknown op {self.op!r}")
 
 
+#: the linear modules of a block (inside ``model.layers.{i}``) of Hugging Face's llama-style classes (Llama,
+#: Qwen, Gemma, the MoE attention) -> GGUF stem: their tensor names' middles and PEFT's module names
+LLAMA_STYLE_LINEAR: Mapping[str, str] = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
 #: one metadata entry of an import: (key, value, GGUF value type name: "string", "uint32", "float32", "bool",
 #: "array[string]", "array[float32]", "array[int32]")
 MetaEntry = tuple[str, Any, str]
@@ -135,4 +147,4 @@ class HFFamily:
     rope_scaling_to_hf: Callable[[str, Any, Mapping[str, Any], Any], dict[str, Any] | None] | None = None
 
 
-__all__ = ["OPS", "HFFamily", "HFMappingError", "HFTensor", "MetaEntry"]
+__all__ = ["LLAMA_STYLE_LINEAR", "OPS", "HFFamily", "HFMappingError", "HFTensor", "MetaEntry"]

@@ -43,7 +43,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from toy.models import rope_hf
-from toy.models.hf import HFFamily, HFMappingError, HFTensor, MetaEntry
+from toy.models.hf import LLAMA_STYLE_LINEAR, HFFamily, HFMappingError, HFTensor, MetaEntry
 from toy.models.llama import MOE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, LlamaConfig
 
 CLASSES = {
@@ -407,13 +407,7 @@ HF = HFFamily(
     metadata_from_hf=metadata_from_hf,
     peft_prefix="model.layers",
     peft_modules={
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
+        **LLAMA_STYLE_LINEAR,
         "mlp.gate": "ffn_gate_inp",
         # qwen2moe's shared expert (imported adapters; the stacked experts are the tensors' rows with expert=J)
         "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
