@@ -129,11 +129,14 @@ def _n_params(path) -> int:
 @pytest.mark.parametrize("arch", list(CASES))
 def test_124m_class_import_equals_the_converter(tmp_path, arch):
     kind, fields = CASES[arch]
-    hf = _make(kind, tmp_path / "hf", fields)
-    ref = hf_llama_ref.convert(hf, tmp_path / "ref.gguf", "f32")
-    got = tmp_path / "toy.gguf"
-    import_hf(hf, got, type="f32")
-    shutil.rmtree(hf)
-    n = _n_params(ref)
-    assert 90e6 <= n <= 170e6, n  # the class this test is about
-    assert_same_gguf(ref, got, skip_keys=NAMING, whole_file=False)  # the naming keys differ, so the files do
+    try:
+        hf = _make(kind, tmp_path / "hf", fields)
+        ref = hf_llama_ref.convert(hf, tmp_path / "ref.gguf", "f32")
+        got = tmp_path / "toy.gguf"
+        import_hf(hf, got, type="f32")
+        shutil.rmtree(hf)
+        n = _n_params(ref)
+        assert 90e6 <= n <= 170e6, n  # the class this test is about
+        assert_same_gguf(ref, got, skip_keys=NAMING, whole_file=False)  # the naming keys differ, so the files do
+    finally:  # up to 1.8 GB of files: the test run keeps every tmp_path until the next runs
+        shutil.rmtree(tmp_path, ignore_errors=True)

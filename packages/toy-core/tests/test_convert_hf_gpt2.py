@@ -81,8 +81,11 @@ def test_toy_runs_the_import_like_transformers(tiny, tmp_path):
 def test_small124m_matches_llamacpp_converter(tmp_path):
     """A 124M-class GPT-2 (12 layers, 768 wide), F32: the same file."""
     out = tmp_path / "toy.gguf"
-    import_hf(gpt2_ref.hf_dir("small124m"), out, "f32", name=gpt2_ref.MODEL_NAME)
-    assert_same_gguf(gpt2_ref.gguf_path("small124m", 0, "f32"), out)
+    try:
+        import_hf(gpt2_ref.hf_dir("small124m"), out, "f32", name=gpt2_ref.MODEL_NAME)
+        assert_same_gguf(gpt2_ref.gguf_path("small124m", 0, "f32"), out)
+    finally:  # 0.5 GB: the test run keeps every tmp_path until the next runs
+        out.unlink(missing_ok=True)
 
 
 def _linked_copy(src, dst, **changes):

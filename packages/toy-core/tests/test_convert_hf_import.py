@@ -506,8 +506,11 @@ def test_124m_class_llama_matches_the_converter(tmp_path):
         max_position_embeddings=1024,
         shards="150MB",
     )
-    ref = hf_llama_ref.convert(folder, tmp_path / "ref.gguf", "f32")
-    out = tmp_path / "toy.gguf"
-    report = import_hf(folder, out, "f32", name=hf_llama_ref.MODEL_NAME)
-    assert report.tied and 120e6 < report.n_params < 130e6
-    assert_same_gguf(ref, out)
+    try:
+        ref = hf_llama_ref.convert(folder, tmp_path / "ref.gguf", "f32")
+        out = tmp_path / "toy.gguf"
+        report = import_hf(folder, out, "f32", name=hf_llama_ref.MODEL_NAME)
+        assert report.tied and 120e6 < report.n_params < 130e6
+        assert_same_gguf(ref, out)
+    finally:  # 1.5 GB of files: the test run keeps every tmp_path until the next runs
+        shutil.rmtree(tmp_path, ignore_errors=True)
