@@ -1,5 +1,4 @@
-"""What the Hugging Face import modules share: the error, JSON reading,
-and the token types of llama.cpp's vocabularies."""
+"""What the Hugging Face import modules share: the error and JSON reading."""
 
 from __future__ import annotations
 
@@ -8,18 +7,6 @@ from pathlib import Path
 from typing import Any
 
 from toy.errors import BadInputError
-
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
-SPECIAL_TYPES = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
-KEY_IDS = {
-    "bos": "bos",
-    "eos": "eos",
-    "unk": "unknown",
-    "sep": "seperator",
-    "pad": "padding",
-    "cls": "cls",
-    "mask": "mask",
-}
 
 
 class HFImportError(BadInputError):

@@ -46,15 +46,12 @@ from typing import Any
 import numpy as np
 
 from toy.convert.hf_common import (
-    TOKEN_CONTROL,
-    TOKEN_NORMAL,
-    TOKEN_UNUSED,
-    TOKEN_USER_DEFINED,
     err,
     read_json,
 )
 from toy.gguf.constants import ValueType
 from toy.gguf.reader import TypeInfo
+from toy.tokenizer.vocab import TYPE_BYTE, TYPE_CONTROL, TYPE_NORMAL, TYPE_UNKNOWN, TYPE_UNUSED, TYPE_USER_DEFINED
 
 _CONTRACTIONS_HF = "(?i:'s|'t|'re|'ve|'m|'ll|'d)"
 
@@ -372,7 +369,6 @@ def _special_entries(sv: _Specials) -> list[tuple[str, Any, TypeInfo]]:
 # ------------------------------------------------------------------ SentencePiece
 
 #: llama.cpp's token types a SentencePiece vocabulary adds to hf_common's
-TOKEN_UNKNOWN, TOKEN_BYTE = 2, 6
 SENTENCEPIECE_HINT = "install the extra: pip install 'toy-core[sentencepiece]' (the sentencepiece package)"
 
 
@@ -409,27 +405,27 @@ def sentencepiece_vocab(
         raise err(f"{path}: not a SentencePiece model ({e})", "tokenizer.model", "check tokenizer.model") from None
     tokens = [f"[PAD{i}]" for i in range(vocab_size)]
     scores = np.full(vocab_size, -10000.0, dtype=np.float32)
-    types = np.full(vocab_size, TOKEN_UNUSED, dtype=np.int32)
+    types = np.full(vocab_size, TYPE_UNUSED, dtype=np.int32)
     for i in range(min(proc.vocab_size(), vocab_size)):
         tokens[i] = proc.IdToPiece(i)
         scores[i] = proc.GetScore(i)
         if proc.IsUnknown(i):
-            types[i] = TOKEN_UNKNOWN
+            types[i] = TYPE_UNKNOWN
         elif proc.IsControl(i):
-            types[i] = TOKEN_CONTROL
+            types[i] = TYPE_CONTROL
         elif proc.IsUnused(i):
-            types[i] = TOKEN_UNUSED
+            types[i] = TYPE_UNUSED
         elif proc.IsByte(i):
-            types[i] = TOKEN_BYTE
+            types[i] = TYPE_BYTE
         else:
-            types[i] = TOKEN_NORMAL
+            types[i] = TYPE_NORMAL
     added_path = folder / "added_tokens.json"
     if added_path.is_file():
         for text, tid in read_json(added_path, "added_tokens.json").items():
             if not isinstance(tid, int) or isinstance(tid, bool) or tid < 0:
                 raise err(f"added_tokens.json: {text!r} has id {tid!r}", "added_tokens.json", "ids are integers")
             if tid < vocab_size:
-                tokens[tid], scores[tid], types[tid] = text, -1000.0, TOKEN_USER_DEFINED
+                tokens[tid], scores[tid], types[tid] = text, -1000.0, TYPE_USER_DEFINED
     decoder = (tc or {}).get("added_tokens_decoder") or {}
     if not isinstance(decoder, dict):
         raise err("tokenizer_config.json: added_tokens_decoder is not an object", "added_tokens_decoder",
@@ -443,10 +439,10 @@ def sentencepiece_vocab(
         if tid >= vocab_size:
             continue
         if entry.get("special") or looks_special(text):
-            types[tid] = TOKEN_CONTROL
+            types[tid] = TYPE_CONTROL
         else:
             text = text.replace("\u2581", " ")
-            types[tid] = TOKEN_USER_DEFINED
+            types[tid] = TYPE_USER_DEFINED
         scores[tid] = -1000.0
         tokens[tid] = text
     return tokens, scores, types
@@ -522,15 +518,15 @@ def tokenizer_metadata(
         tok = vocab.get(i)
         if tok is None:
             tokens.append(f"[PAD{i}]")
-            types[i] = TOKEN_UNUSED
+            types[i] = TYPE_UNUSED
             continue
         a = added_by_id.get(i)
         if a is None:
-            types[i] = TOKEN_NORMAL
+            types[i] = TYPE_NORMAL
         elif a.get("special") or looks_special(tok):
-            types[i] = TOKEN_CONTROL
+            types[i] = TYPE_CONTROL
         else:
-            types[i] = TOKEN_USER_DEFINED
+            types[i] = TYPE_USER_DEFINED
         tokens.append(tok)
     _merges(model)  # malformed merges are an error even when the special vocabulary would not read them
     sv = special_vocab(folder, vocab_size, tj, tc, config_json, load_merges=True)
