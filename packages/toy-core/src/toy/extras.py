@@ -3,7 +3,8 @@
 ``install_command(extra)`` answers for ``"serve"`` (``toy serve``, toy-serve),
 ``"vit"`` (``toy vit``, toy-vit), ``"plot"`` (matplotlib, for ``toy runs
 plot`` and ``toy vit eval --plot``), ``"tensorboard"`` (tensorboardX) and
-``"mlflow"`` (mlflow-skinny; both for ``--report-to`` and ``toy runs export``). Every install hint toy prints comes from
+``"mlflow"`` (mlflow-skinny; both for ``--report-to`` and ``toy runs export``) and
+``"distributed"`` (mpi4py and MPICH, for ``toy train --ranks``). Every install hint toy prints comes from
 it, so a hint names a command that exists for the way this copy of toy was
 installed. The way is read from toy-core's distribution (toy-cli's when
 toy-core's metadata is missing): its PEP 610 ``direct_url.json``, and the
@@ -48,6 +49,7 @@ EXTRAS = {
     "plot": "matplotlib",
     "tensorboard": "tensorboardX",
     "mlflow": "mlflow-skinny",
+    "distributed": "mpi4py",
 }
 INSTALLER_FLAGS = ("serve", "vit", "plot")  # the extras tools/install.py has a flag for
 STAMP = ".toy-install.json"  # tools/install.py's record in the environment it installed

@@ -185,6 +185,9 @@ class TrainConfig:
     report: ReportConfig = field(default_factory=ReportConfig)
     trace: str | None = None  # a Chrome/Perfetto trace of step ``trace_step`` is written to this file
     trace_step: int = 2  # the step traced (the first one also builds and allocates its graphs)
+    # several ranks on different ggml CPU variants: "refuse" (stop, naming the variant to start every rank
+    # with) or "allow" (train; the bits then depend on which rank computed what: toy.train.distributed)
+    mixed_cpus: str = "refuse"
 
 
 def _check_type(key: str, value: Any, hint: Any) -> Any:
@@ -393,6 +396,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             f"report.to {cfg.report.to!r}: each is one of {', '.join(REPORT_TO)}, once",
         ),
         (cfg.trace_step >= 1, f"trace_step={cfg.trace_step} must be >= 1"),
+        (cfg.mixed_cpus in ("refuse", "allow"), f'mixed_cpus={cfg.mixed_cpus!r}: "refuse" or "allow"'),
     ]
     for ok, msg in checks:
         if not ok:

@@ -88,6 +88,7 @@ from toy.runs.folder import RunLock, check_output_dir
 from toy.tokenizer import Tokenizer
 from toy.train import checkpoint, recipes
 from toy.train import data as D
+from toy.train import distributed as dist
 from toy.train.bpe import METADATA_TYPES, train_bpe
 from toy.train.config import TrainConfig, from_dict, to_dict, validate
 from toy.train.diagnostics import Diagnostics
@@ -100,14 +101,16 @@ from toy.train.steploop import (
     TrainingDivergedError,
     TrainingIOError,
     open_for_resume,
+    rank_hooks,
 )
 
 
-def _runtime(cfg: TrainConfig) -> toy_ggml.Runtime:
+def _runtime(cfg: TrainConfig, world: dist.World) -> toy_ggml.Runtime:
     """The run's Runtime: ``cfg.threads`` as given, else the physical cores,
     as many of them per step as the machine's load leaves room for (no bit of
-    a step depends on the thread count: toy patch 0022)."""
-    n, adaptive = toy_ggml.runtime_threads(cfg.threads or None)
+    a step depends on the thread count: toy patch 0022). Several ranks on one
+    host share its cores (unless the launcher bound each to its own)."""
+    n, adaptive = dist.rank_threads(cfg.threads, world)
     return toy_ggml.Runtime(cfg.device or os.environ.get("TOY_DEVICE") or "cpu", threads=n, adaptive=adaptive)
 
 
@@ -145,6 +148,21 @@ def _doc_separator(tok) -> int:
     return int(eos)
 
 
+def _check_ranks(cfg: TrainConfig, world: dist.World) -> tuple[dict[str, Any], str | None]:
+    """Before anything is set up on several ranks: what one rank cannot do,
+    the same inputs on every rank, and their CPU variants (the facts
+    ``run_start`` records, and a warning to log when they differ)."""
+    if cfg.diagnostics.kinds or cfg.trace:
+        raise BadInputError(
+            "training diagnostics and step traces are one-process tools",
+            hint="run them without --ranks (the steps are the same bits)",
+        )
+    models = [m for m in (cfg.base, cfg.tokenizer.model) if m and Path(m).is_file()]  # names resolve alike
+    paths = [*cfg.data.paths, *models]
+    dist.check_inputs(world, to_dict(cfg), paths)
+    return dist.world_facts(world, cfg.mixed_cpus)
+
+
 class _Run(StepRun):
     def __init__(
         self,
@@ -154,10 +172,18 @@ class _Run(StepRun):
         ckpt: checkpoint.Resumable | None = None,
         lock=None,
         notes: list[str] | None = None,
+        world: dist.World | None = None,
     ):
         self.cfg, self.hooks = cfg, hooks
         self.lock = lock  # a resume takes it before reading the checkpoint
-        self.runtime = _runtime(cfg)
+        self.world = world = world or dist.World()
+        notes = list(notes or [])
+        world_info: dict[str, Any] = {}  # what run_start (or resume) records of several ranks
+        if world.distributed:
+            world_info, warning = _check_ranks(cfg, world)
+            if warning:
+                notes.append(warning)
+        self.runtime = _runtime(cfg, world)
         self.setup = None
         st = ckpt.state if ckpt else {}
         try:
@@ -182,6 +208,7 @@ class _Run(StepRun):
                 batch=cfg.batch_size,
                 context=cfg.context,
                 accum=cfg.grad_accum,
+                world=world,
             )
         except BaseException:
             if self.setup is not None:
@@ -196,12 +223,20 @@ class _Run(StepRun):
         self.diagnostics = self._diagnostics(cfg, params, ckpt)
         self.n_params = int(sum(int(np.prod(s.shape)) for s in self.engine.specs))
         self.tok_source = tok_source
+        world_start: dict[str, Any] = {"world": world_info} if world_info else {}
         try:
-            if ckpt:
+            if not world.is_root:
+                pass  # rank 0 writes the run: below, this rank learns its folder
+            elif ckpt:
                 assert resume_from is not None  # a checkpoint comes with the run folder it resumes
                 self.writer = RunWriter.reopen(resume_from)
                 report.attach(self.writer, cfg.report, resume=True)  # TensorBoard/MLflow: toy.runs.report
-                self.writer.event("resume", from_step=ckpt.step, checkpoint=ckpt.model_path.name)
+                self.writer.event(
+                    "resume",
+                    from_step=ckpt.step,
+                    checkpoint=ckpt.model_path.name,
+                    **({"world": world_info} if world_info else {}),
+                )
             else:
                 self.writer = RunWriter(
                     "train",
@@ -212,10 +247,21 @@ class _Run(StepRun):
                     n_params=self.n_params,
                     data=data_info,
                     tokenizer=tok_source,
+                    **world_start,
                 )
                 self.lock = RunLock(self.writer.dir)
                 report.attach(self.writer, cfg.report)
-            for text in [*(notes or []), *(self.setup.notes if self.setup else [])]:
+            if world.distributed:
+                said = world.bcast(
+                    (str(self.writer.dir), self.writer.run_id) if world.is_root else None,
+                    what="waiting for rank 0 to open the run folder",
+                )
+                if not world.is_root:
+                    if said is None:
+                        raise TrainingIOError("rank 0 could not open the run folder; it reports why")
+                    self.writer = dist.RankWriter(*said)  # type: ignore[assignment]
+                dist.announce(world, self.writer.dir)
+            for text in [*notes, *(self.setup.notes if self.setup else [])]:
                 self.writer.event("note", text=text)
                 if hooks.note:
                     hooks.note(text)
@@ -226,6 +272,8 @@ class _Run(StepRun):
             self.runtime.close()
             if self.lock is not None:
                 self.lock.release()
+            if world.distributed and world.is_root and not hasattr(self, "writer"):
+                world.bcast(None)  # the other ranks wait for the run folder: there is none
             if isinstance(e, OSError):  # config.json or events.jsonl (the runs folder was checked writable)
                 where = e.filename or (resume_from or runs_dir(cfg.out))
                 raise TrainingIOError(
@@ -235,7 +283,7 @@ class _Run(StepRun):
                 ) from e
             raise
         self.init_counters(ckpt)
-        self.per_step = cfg.batch_size * cfg.context * cfg.grad_accum
+        self.per_step = cfg.batch_size * cfg.context * cfg.grad_accum * world.size
         self.eval_at_start = self.setup is not None
         self.keep_step0 = ckpt is None and tok_source == "trained-bpe"  # a stop at step 0 keeps the tokenizer
 
@@ -348,6 +396,8 @@ class _Run(StepRun):
             "rng": self.rng.bit_generator.state,
             "tokens_seen": self.seen,
             "tokenizer_source": self.tok_source,
+            "ranks": self.world.size,
+            "global_micro_batches": self.cfg.grad_accum * self.world.size,
             **(self.setup.state if self.setup else {}),
         }
 
@@ -368,19 +418,22 @@ class _Run(StepRun):
 def train(cfg: TrainConfig, hooks: Hooks | None = None) -> RunResult:
     """Train a llama-family model from scratch as ``cfg`` says. Data paths
     are recorded absolute, so ``resume`` works from any folder."""
+    world = dist.World.from_env()  # first: a rank that fails after this ends every rank (the CLI aborts MPI)
     cfg = validate(cfg)
-    check_output_dir(runs_dir(cfg.out), "runs folder (out)")  # before the tokenizer is trained
+    if world.is_root:  # rank 0 alone writes the run folder
+        check_output_dir(runs_dir(cfg.out), "runs folder (out)")  # before the tokenizer is trained
     report.check_available(cfg.report.to)  # a missing extra stops the run before its folder exists
     data = dataclasses.replace(cfg.data, paths=[str(Path(p).expanduser().absolute()) for p in cfg.data.paths])
-    return _Run(dataclasses.replace(cfg, data=data), hooks or Hooks()).run()
+    return _Run(dataclasses.replace(cfg, data=data), rank_hooks(hooks or Hooks(), world), world=world).run()
 
 
 def resume(run_dir: str | Path, hooks: Hooks | None = None, *, steps: int | None = None) -> RunResult:
     """Continue the run in ``run_dir`` from its latest checkpoint, with the
     config it recorded (``steps`` may raise the total: the schedule then
     stretches, so the curve is no longer the uninterrupted one)."""
-    hooks = hooks or Hooks()
-    lock, ck, notes = open_for_resume(run_dir)  # RunInUseError while another process runs it
+    world = dist.World.from_env()
+    hooks = rank_hooks(hooks or Hooks(), world)
+    lock, ck, notes = open_for_resume(run_dir, world)  # RunInUseError while another process runs it
     try:
         task = ck.state.get("task")
         if task is not None:  # a run of another distribution's task (toy-vit's classifier)
@@ -392,17 +445,21 @@ def resume(run_dir: str | Path, hooks: Hooks | None = None, *, steps: int | None
                 raise checkpoint.config_error(ck, e) from None
             if steps is not None:
                 cfg = dataclasses.replace(cfg, steps=steps)
+            accum, note = dist.regroup(world, cfg.grad_accum, ck.state)  # another number of ranks
+            cfg = dataclasses.replace(cfg, grad_accum=accum)
+            notes = [*notes, *([note] if note else [])]
             if ck.step >= cfg.steps:
                 raise checkpoint.CheckpointError(
                     f"{run_dir}: already at step {ck.step} of {cfg.steps}",
                     hint="pass --steps N with a larger N to go on",
                 )
-            run = _Run(cfg, hooks, resume_from=Path(run_dir), ckpt=ck, lock=lock, notes=notes)
+            run = _Run(cfg, hooks, resume_from=Path(run_dir), ckpt=ck, lock=lock, notes=notes, world=world)
     except BaseException:
-        lock.release()
+        if lock is not None:
+            lock.release()
         raise
     if task is not None:
-        return resume_task(Path(run_dir), hooks, lock=lock, ckpt=ck, notes=notes, steps=steps)
+        return resume_task(Path(run_dir), hooks, lock=lock, ckpt=ck, notes=notes, steps=steps, world=world)
     return run.run()
 
 

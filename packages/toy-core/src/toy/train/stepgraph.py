@@ -50,6 +50,23 @@ Memory: parameters and the two AdamW moments live in one allocated
 context on the runtime's device (3x the F32 model); activations and
 gradients come from the runtime's scheduler, which reuses memory between
 nodes; accumulators (only with accumulation) add 1x.
+
+Several ranks (``world``, a ``toy.train.distributed.World`` of size N > 1):
+a step takes ``accum * N`` micro-batches in the one-process order and this
+rank computes the contiguous block ``[rank * accum, (rank + 1) * accum)``
+into its accumulators (graphs ``first`` / ``middle``; the loss scale counts
+the targets of all of them). Then ``World.reduce_owned`` sums the
+accumulators in rank order for the tensors this rank owns, the ``dist_sq``
+graph takes their ``sum_sqr``, every rank receives every tensor's sum of
+squares and adds them in parameter order in float32 (the one-process
+graph's additions), the clipping factor is computed in float32 as the
+graph computes it, the ``dist_apply`` graph runs AdamW on the owned
+tensors with that factor, and ``World.gather_owned`` brings every rank the
+other ranks' updated tensors. AdamW moments exist only for owned tensors
+(ZeRO-1); ``optimizer_state`` gathers them (a collective: every rank calls
+it). With one micro-batch per rank the step is bit-identical to a
+one-process step with ``accum = N``; with more, the fold is per rank, then
+over ranks, so the bits are those of another (fixed) order.
 """
 
 from __future__ import annotations
@@ -64,6 +81,7 @@ import numpy as np
 import toy_ggml
 from toy import models
 from toy.models.common import block_causal_mask, causal_mask
+from toy.train.distributed import World, owners
 from toy.train.optim import OptimConfig, adamw_hparams
 
 F32 = toy_ggml.GGMLType.F32
@@ -198,6 +216,10 @@ class StepResult:
     grad_norm: float  # global L2 norm before clipping
     lr: float
     n_targets: int
+    # several ranks: this rank's seconds communicating, bytes it sent, (slowest, fastest) rank's compute seconds
+    comm_s: float = 0.0
+    sent_bytes: int = 0
+    rank_s: tuple[float, float] | None = None
 
 
 class _Graph:
@@ -230,6 +252,7 @@ class TrainEngine:
         context: int,
         accum: int = 1,
         label_smoothing: float = 0.0,
+        world: World | None = None,
     ):
         if batch < 1 or context < 1 or accum < 1:
             raise ValueError(f"batch={batch}, context={context}, accum={accum} out of range")
@@ -250,9 +273,17 @@ class TrainEngine:
         self.supports_taps = "taps" in inspect.signature(model.logits).parameters
         self._last: _Graph | None = None  # the graph that took the last optimizer step
         self.watch = False  # the step graphs keep what the diagnostics read (``watch_steps``)
+        self.world = world if world is not None else World()
+        dist = self.world.distributed
+        # the owning rank of each parameter (several ranks: AdamW and its moments live on the owner only)
+        self.owner = owners([int(np.prod(s.shape)) for s in self.specs], self.world.size)
+        self.owned = [s.name for s, o in zip(self.specs, self.owner, strict=True) if o == self.world.rank]
+        self._dist_sq: dict[str, float] = {}  # several ranks: every tensor's gradient sum of squares, last step
+        # several ranks: host views of (accumulators, parameters); False: not host memory
+        self._views: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | bool | None = None
 
         # parameters, moments, accumulators and inputs: one allocated context
-        n_state = len(self.specs) * (4 if accum > 1 else 3)
+        n_state = len(self.specs) * (4 if accum > 1 or dist else 3)
         self._state = toy_ggml.Context(max_tensors=n_state + 16)
         st = self._state
         self.params: dict[str, toy_ggml.Tensor] = {}
@@ -261,9 +292,10 @@ class TrainEngine:
         self._acc: dict[str, toy_ggml.Tensor] = {}
         for s in self.specs:
             self.params[s.name] = st.tensor(F32, s.shape, name=s.name).set_param()
-            self._m[s.name] = st.tensor(F32, s.shape, name=f"adam_m.{s.name}")
-            self._v[s.name] = st.tensor(F32, s.shape, name=f"adam_v.{s.name}")
-            if accum > 1:
+            if s.name in self.owned:
+                self._m[s.name] = st.tensor(F32, s.shape, name=f"adam_m.{s.name}")
+                self._v[s.name] = st.tensor(F32, s.shape, name=f"adam_v.{s.name}")
+            if accum > 1 or dist:
                 self._acc[s.name] = st.tensor(F32, s.shape, name=f"grad_acc.{s.name}")
         self.inputs = self.feed.make(st, batch, context)
         self._labels = st.tensor(F32, (n, self.n_vocab), name="labels")
@@ -271,6 +303,7 @@ class TrainEngine:
         self._hp = {True: st.tensor(F32, (7,), name="adamw_decay"), False: st.tensor(F32, (7,), name="adamw_no_decay")}
         self._clip = st.tensor(F32, (1,), name="clip")
         self._eps = st.tensor(F32, (1,), name="clip_eps")
+        self._factor = st.tensor(F32, (1,), name="clip_factor")  # several ranks: computed on the host
         st.allocate(runtime)
         missing = [s.name for s in self.specs if s.name not in params]
         if missing:
@@ -280,8 +313,9 @@ class TrainEngine:
             if a.shape != s.shape:
                 raise ValueError(f"{s.name}: value of shape {a.shape}, expected {s.shape}")
             self.params[s.name].set(a)
-            self._m[s.name].set(np.zeros(s.shape, np.float32))
-            self._v[s.name].set(np.zeros(s.shape, np.float32))
+            if s.name in self._m:
+                self._m[s.name].set(np.zeros(s.shape, np.float32))
+                self._v[s.name].set(np.zeros(s.shape, np.float32))
         self._clip.set(np.array([optim.grad_clip], np.float32))
         self._eps.set(np.array([1e-6], np.float32))
         self.step = 0  # optimizer steps taken
@@ -301,7 +335,39 @@ class TrainEngine:
     def _graph_capacity(self) -> int:
         return 200 * len(self.specs) + 4096
 
+    def _build_dist(self, kind: str) -> _Graph:
+        """The graphs after a several-rank reduction (the module docstring):
+        ``dist_sq`` (the owned accumulators' sums of squares) and
+        ``dist_apply`` (AdamW on the owned tensors, the clipping factor an
+        input)."""
+        cap = self._graph_capacity()
+        ops = self._ops_context(max_tensors=cap, graph_size=cap)
+        g = toy_ggml.Graph(ops, size=cap)
+        out = _Graph(ops, g, None, None)
+        if kind == "dist_sq":
+            out.grad_sq = {k: ops.sum_sqr(self._acc[k]).set_output() for k in self.owned}
+            outs = list(out.grad_sq.values())
+        else:
+            factor = self._factor if self.optim.grad_clip > 0 else None
+            by_name = {s.name: s for s in self.specs}
+            outs = [
+                ops.opt_step_adamw(
+                    self.params[k],
+                    self._acc[k],
+                    self._m[k],
+                    self._v[k],
+                    self._hp[by_name[k].decays(self.optim)],
+                    factor,
+                )
+                for k in self.owned
+            ]
+        if outs:
+            g.build_forward(*outs)
+        return out
+
     def _build(self, kind: str) -> _Graph:
+        if kind.startswith("dist_"):
+            return self._build_dist(kind)
         cap = self._graph_capacity()
         ops = self._ops_context(max_tensors=cap * 8, graph_size=cap * 8)
         # the residual stream after each block: read by activation statistics ("taps": the blocks only,
@@ -436,7 +502,7 @@ class TrainEngine:
             rt.compute(g.graph)
         else:
             self._profile.extend(rt.compute(g.graph, profile=True))
-        return float(g.loss.numpy().reshape(-1)[0])
+        return float(g.loss.numpy().reshape(-1)[0]) if g.loss is not None else 0.0
 
     # ------------------------------------------------------------------ steps
 
@@ -444,14 +510,18 @@ class TrainEngine:
         """One optimizer step over ``accum`` micro-batches (objects with
         tokens, targets, loss_mask, pos, doc arrays of shape (B, T))."""
         micro_batches = list(micro_batches)
-        if len(micro_batches) != self.accum:
-            raise ValueError(f"{len(micro_batches)} micro-batches for an engine with accum={self.accum}")
+        if len(micro_batches) != self.accum * self.world.size:
+            raise ValueError(
+                f"{len(micro_batches)} micro-batches for an engine with accum={self.accum} on {self.world.size} rank(s)"
+            )
         n_targets = int(sum(int(np.count_nonzero(np.asarray(b.loss_mask))) for b in micro_batches))
         if n_targets == 0:
             raise ValueError("the step's micro-batches have no target token")
         scale = self.n_rows / n_targets
         for d in (True, False):
             self._hp[d].set(np.array(adamw_hparams(self.optim, lr, self.step, d), np.float32))
+        if self.world.distributed:
+            return self._train_step_ranks(micro_batches, lr, scale, n_targets)
         total = 0.0
         for i, b in enumerate(micro_batches):
             if self.accum == 1:
@@ -466,6 +536,93 @@ class TrainEngine:
         self._last = g
         self.step += 1
         return StepResult(loss=total, grad_norm=norm, lr=lr, n_targets=n_targets)
+
+    def _train_step_ranks(self, micro_batches, lr: float, scale: float, n_targets: int) -> StepResult:
+        """``train_step`` on several ranks (the module docstring)."""
+        import time
+
+        w, a = self.world, self.accum
+        t0 = time.perf_counter()
+        losses = []
+        for i, b in enumerate(micro_batches[w.rank * a : (w.rank + 1) * a]):
+            self._upload(b, scale)
+            g = self._get("first" if i == 0 else "middle")
+            self._before(i)
+            losses.append(self._run(g))
+        compute = time.perf_counter() - t0
+        names = [s.name for s in self.specs]
+        views = self._host_views()
+        if views is not None:  # host memory: send from and sum into the accumulators themselves
+            acc = [views[0][k] for k in names]
+            sums = w.reduce_owned(acc, self.owner, into={i: acc[i] for i, o in enumerate(self.owner) if o == w.rank})
+        else:
+            sums = w.reduce_owned([self._acc[k].numpy() for k in names], self.owner)
+            for i, arr in sums.items():
+                self._acc[names[i]].set(arr)
+        t1 = time.perf_counter()
+        mine: dict[str, np.float32] = {}
+        if self.owned:  # a rank may own nothing (fewer tensors than ranks)
+            gsq = self._get("dist_sq")
+            self._run(gsq)
+            mine = {k: np.float32(t.numpy().reshape(-1)[0]) for k, t in gsq.grad_sq.items()}
+        compute += time.perf_counter() - t1
+        facts = w.allgather((losses, mine, compute), "summing the step's losses and gradient norms")
+        every: dict[str, np.float32] = {}
+        for _, m, _ in facts:
+            every.update(m)
+        self._dist_sq = {k: float(every[k]) for k in names}
+        # the one-process graph's float32 arithmetic: sq = t0 + t1 + ..., norm = sqrt(sq),
+        # factor = clamp(clip / (norm + eps), 0, 1)
+        sq = np.float32(every[names[0]])
+        for k in names[1:]:
+            sq = np.float32(sq + every[k])
+        norm = np.float32(np.sqrt(sq))
+        if self.optim.grad_clip > 0:
+            f = np.float32(np.float32(self.optim.grad_clip) / np.float32(norm + np.float32(1e-6)))
+            self._factor.set(np.array([min(max(f, np.float32(0.0)), np.float32(1.0))], np.float32))
+        t1 = time.perf_counter()
+        if self.owned:
+            self._run(self._get("dist_apply"))
+        compute += time.perf_counter() - t1
+        shapes = [s.shape for s in self.specs]
+        if views is not None:  # straight from and into the parameters' memory
+            par = views[1]
+            others = {i: par[k] for i, k in enumerate(names) if self.owner[i] != w.rank}
+            w.gather_owned({i: par[names[i]] for i in sums}, self.owner, shapes, into=others)
+        else:
+            mine_p = {i: self.params[names[i]].numpy() for i in sums}
+            for i, arr in w.gather_owned(mine_p, self.owner, shapes).items():
+                self.params[names[i]].set(arr)
+        total = 0.0
+        for ls, _, _ in facts:  # the micro-batches' losses in the one-process order
+            for x in ls:
+                total += x
+        times = [c for _, _, c in facts]
+        stats = w.take_stats()
+        self._last = None
+        self.step += 1
+        return StepResult(
+            loss=total,
+            grad_norm=float(norm),
+            lr=lr,
+            n_targets=n_targets,
+            comm_s=stats.seconds,
+            sent_bytes=stats.sent,
+            rank_s=(max(times), min(times)),
+        )
+
+    def _host_views(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
+        """Zero-copy views of the accumulators and parameters (None: they are
+        not in host memory, e.g. on a GPU: then copies are exchanged)."""
+        if self._views is None:
+            try:
+                self._views = (
+                    {k: t.host_view() for k, t in self._acc.items()},
+                    {k: t.host_view() for k, t in self.params.items()},
+                )
+            except (toy_ggml.GGMLError, TypeError):
+                self._views = False
+        return self._views if isinstance(self._views, tuple) else None
 
     def profile_step(self, micro_batches, lr: float) -> tuple[StepResult, list[tuple[str, str, float]]]:
         """``train_step`` (the step is taken, with the same arithmetic) with
@@ -514,6 +671,8 @@ class TrainEngine:
         before are dropped and built again; the arithmetic is unchanged."""
         if self.watch:
             return
+        if self.world.distributed:
+            raise ValueError("training diagnostics are not available on several ranks")
         self.watch = True
         for kind in ("single", "last"):
             g = self._graphs.pop(kind, None)
@@ -524,6 +683,8 @@ class TrainEngine:
     def grad_sumsq(self) -> dict[str, float]:
         """Per-tensor sum of squares of the last optimizer step's gradients
         (all micro-batches, before clipping): the terms of ``grad_norm``."""
+        if self.world.distributed and self._dist_sq:
+            return dict(self._dist_sq)
         g = self._last
         if g is None:
             raise RuntimeError("grad_sumsq: no step taken yet")
@@ -626,17 +787,36 @@ class TrainEngine:
         return {s.name: self.params[s.name].numpy().copy() for s in self.specs}
 
     def optimizer_state(self) -> dict[str, np.ndarray]:
+        """The AdamW moments of every parameter. On several ranks a collective
+        (every rank calls it): each owner's moments are gathered, and every
+        rank gets the whole state."""
         out = {}
+        if self.world.distributed:
+            names = [s.name for s in self.specs]
+            shapes = [s.shape for s in self.specs]
+            for key, moments in (("adam_m", self._m), ("adam_v", self._v)):
+                mine = {i: moments[names[i]].numpy() for i, o in enumerate(self.owner) if o == self.world.rank}
+                every = {**{i: a.copy() for i, a in mine.items()}, **self.world.gather_owned(mine, self.owner, shapes)}
+                for i, k in enumerate(names):
+                    out[f"{key}.{k}"] = every[i]
+            self.world.take_stats()  # checkpoint traffic is not a step's
+            return {k: out[k] for s in self.specs for k in (f"adam_m.{s.name}", f"adam_v.{s.name}")}
         for s in self.specs:
             out[f"adam_m.{s.name}"] = self._m[s.name].numpy().copy()
             out[f"adam_v.{s.name}"] = self._v[s.name].numpy().copy()
         return out
 
+    def optimizer_bytes(self) -> int:
+        """Bytes of AdamW moments this rank holds (1/N of the model's two
+        moments on N ranks, by whole tensors)."""
+        return sum(self._m[k].nbytes + self._v[k].nbytes for k in self._m)
+
     def load_state(self, params: Mapping[str, np.ndarray], optimizer: Mapping[str, np.ndarray], step: int) -> None:
         for s in self.specs:
             self.params[s.name].set(np.asarray(params[s.name], np.float32))
-            self._m[s.name].set(np.asarray(optimizer[f"adam_m.{s.name}"], np.float32))
-            self._v[s.name].set(np.asarray(optimizer[f"adam_v.{s.name}"], np.float32))
+            if s.name in self._m:  # several ranks: the owner's moments only
+                self._m[s.name].set(np.asarray(optimizer[f"adam_m.{s.name}"], np.float32))
+                self._v[s.name].set(np.asarray(optimizer[f"adam_v.{s.name}"], np.float32))
         self.step = int(step)
 
     def close(self) -> None:

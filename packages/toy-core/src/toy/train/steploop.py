@@ -48,6 +48,18 @@ Stopping and aborting (decisions):
   ``evals_left`` (evaluations still to come, the final one included), so a
   display can count evaluations in its ETA.
 
+Several ranks (``world``, ``toy.train.distributed``): every rank runs
+this loop on the same data (a step draws ``grad_accum * ranks``
+micro-batches; the engine computes this rank's block), evaluates and
+samples the same way; rank 0 alone writes (the task gives the other ranks
+a ``RankWriter``). A stop asked for on any rank (a signal reaches every
+rank through ``mpiexec``) is agreed on after each step, so every rank
+stops after the same one; a checkpoint gathers the optimizer moments from
+their owners and rank 0 writes it (its success or error is sent to every
+rank). Step events add ``comm_s`` (rank 0's seconds communicating),
+``sent_bytes``, and ``rank_s_max`` / ``rank_s_min`` (the slowest and
+fastest rank's compute seconds).
+
 ``open_for_resume(run_dir)`` takes a run's lock, removes orphaned
 temporary files, finds the newest intact checkpoint (setting damaged ones
 aside) and returns them with the notes to record; a task's ``resume``
@@ -67,6 +79,7 @@ from toy.errors import ToyError
 from toy.runs.folder import RunLock
 from toy.runs.reader import read_events
 from toy.train import checkpoint
+from toy.train.distributed import CommTimeoutError, World
 from toy.train.optim import lr_at
 
 if TYPE_CHECKING:
@@ -142,6 +155,7 @@ class StepRun:
     seen: int  # units (``unit``) trained on so far
     writer: RunWriter
     diagnostics: Diagnostics | None = None  # toy.train.diagnostics (set by a task that has any)
+    world: World = World()  # the ranks (a task sets its own; this one is the one-process world)
 
     def init_counters(self, ckpt: checkpoint.Resumable | None) -> None:
         self.ckpt_dir = self.writer.dir / "checkpoints"
@@ -159,8 +173,13 @@ class StepRun:
             return
         if self.hooks.phase:
             self.hooks.phase(self._eval_label, done, total)
-        if self.hooks.should_stop and self.hooks.should_stop():
+        if self._stop_asked():
             raise _StopDuringEval
+
+    def _stop_asked(self) -> bool:
+        """Whether a stop was asked for (on any rank: the ranks agree)."""
+        asked = bool(self.hooks.should_stop and self.hooks.should_stop())
+        return self.world.any(asked) if self.world.distributed else asked
 
     def _timed_eval(self) -> None:
         t0 = time.perf_counter()
@@ -197,16 +216,36 @@ class StepRun:
         step = self.engine.step
         if step == self.saved_step:
             return
-        path = checkpoint.save(  # CheckpointWriteError: run() adds the last good checkpoint
-            self.ckpt_dir,
-            step=step,
-            params=self.engine.param_values(),
-            optimizer=self.engine.optimizer_state(),
-            state=self.state(),
-            run_id=self.writer.run_id,
-            keep=self.cfg.keep_checkpoints,
-            **self.checkpoint_kwargs(),
-        )
+        optimizer = self.engine.optimizer_state()  # several ranks: a collective (the moments' owners)
+        world = self.world
+        path: Path | None = None
+        failed: BaseException | None = None
+        if world.is_root:
+            try:
+                path = checkpoint.save(  # CheckpointWriteError: run() adds the last good checkpoint
+                    self.ckpt_dir,
+                    step=step,
+                    params=self.engine.param_values(),
+                    optimizer=optimizer,
+                    state=self.state(),
+                    run_id=self.writer.run_id,
+                    keep=self.cfg.keep_checkpoints,
+                    **self.checkpoint_kwargs(),
+                )
+            except BaseException as e:
+                failed = e
+        if world.distributed:  # rank 0's outcome, to every rank
+            said = world.bcast(
+                str(path) if failed is None else f"!{failed}", what=f"waiting for rank 0 to write checkpoint {step}"
+            )
+            if failed is None and said.startswith("!"):
+                raise checkpoint.CheckpointWriteError(
+                    f"rank 0 could not write the checkpoint of step {step}: {said[1:]}", self.ckpt_dir, step
+                )
+            path = Path(said) if failed is None else None
+        if failed is not None:
+            raise failed
+        assert path is not None
         self.saved_step = step
         self.last_ckpt = path
         self.writer.event("checkpoint", step=step, path=str(path.relative_to(self.writer.dir)))
@@ -231,6 +270,21 @@ class StepRun:
         return TrainingIOError(
             f"{what}; no checkpoint had been written yet, so there is nothing to resume",
             hint="free some space (or fix the folder) and start the run again",
+        )
+
+    def _lost_rank(self, e: BaseException) -> CommTimeoutError | None:
+        """A rank that stopped answering, as the error to report: which one,
+        and the last good checkpoint to resume from."""
+        if not isinstance(e, CommTimeoutError):
+            return None
+        if self.last_ckpt is not None and self.saved_step >= 0:
+            return CommTimeoutError(
+                f"{e}; the last good checkpoint is step_{self.saved_step} ({self.last_ckpt})",
+                hint=f"go on from it once every rank can run again: toy train --resume {self.writer.dir}",
+            )
+        return CommTimeoutError(
+            f"{e}; no checkpoint had been written yet, so there is nothing to resume",
+            hint="start the run again once every rank can run",
         )
 
     def _diverged(self, loss: float, grad_norm: float) -> TrainingDivergedError:
@@ -281,11 +335,11 @@ class StepRun:
                 finally:
                     self._eval_label = None
             while eng.step < cfg.steps and reason == "completed":
-                if hooks.should_stop and hooks.should_stop():
+                if self._stop_asked():
                     reason = "interrupted"  # also before the first step (e.g. during tokenizing)
                     break
                 t0 = time.perf_counter()
-                batches = [self.stream.next() for _ in range(cfg.grad_accum)]
+                batches = [self.stream.next() for _ in range(cfg.grad_accum * self.world.size)]
                 lr = lr_at(cfg.optim, eng.step, cfg.steps)
                 if diag is not None:
                     diag.before_step(eng)
@@ -312,6 +366,8 @@ class StepRun:
                     "wall_us": int(dt * 1e6),
                     "epoch": self.stream.epoch,
                 }
+                if r.rank_s is not None:  # several ranks
+                    ev.update(comm_s=r.comm_s, sent_bytes=r.sent_bytes, rank_s_max=r.rank_s[0], rank_s_min=r.rank_s[1])
                 self.writer.event("step", **ev)
                 for kind, fields in diag.after_step(eng) if diag is not None else ():
                     self.writer.event(kind, **fields)
@@ -331,7 +387,7 @@ class StepRun:
             if eng.step > 0 or self.keep_step0:  # a stop before the first step: no checkpoint (the docstring)
                 self.save()
         except BaseException as e:
-            io = self._io_error(e)
+            io = self._io_error(e) or self._lost_rank(e)
             try:
                 self.writer.end(
                     "interrupted" if isinstance(e, KeyboardInterrupt) else "errored",
@@ -360,12 +416,48 @@ class StepRun:
         )
 
 
-def open_for_resume(run_dir: str | Path):
+def rank_hooks(hooks: Hooks, world: World) -> Hooks:
+    """A run's hooks on this rank: rank 0 reports; the other ranks only
+    listen for a stop."""
+    return hooks if world.is_root else Hooks(should_stop=hooks.should_stop)
+
+
+def open_for_resume(run_dir: str | Path, world: World | None = None):
     """(lock, checkpoint, notes) of the run in ``run_dir``: its lock held
     (``RunInUseError`` while another process runs it), orphaned temporary
     files removed, damaged newer checkpoints set aside, the newest intact
-    one loaded. The caller releases the lock if it does not go on."""
-    run_dir = Path(run_dir)
+    one loaded. The caller releases the lock if it does not go on.
+
+    Several ranks (``world``): rank 0 does the above; the others then load
+    the checkpoint rank 0 chose (the run folder must be at the same path on
+    every host), with no lock and no notes of their own."""
+    if world is None or not world.distributed:
+        return _open_for_resume(Path(run_dir))
+    lock = ck = None
+    failed: BaseException | None = None
+    if world.is_root:
+        try:
+            lock, ck, notes = _open_for_resume(Path(run_dir))
+        except BaseException as e:
+            failed = e
+    said = world.bcast(ck.step if ck is not None else f"{failed}", what="waiting for rank 0 to open the run")
+    if failed is not None:
+        raise failed
+    if isinstance(said, str):
+        raise checkpoint.CheckpointError(f"rank 0 could not open {run_dir} to resume it: {said}")
+    try:
+        if not world.is_root:
+            ck, notes = checkpoint.load_resumable(Path(run_dir) / "checkpoints"), []
+        assert ck is not None
+        world.check_same("checkpoint step", ck.step)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return lock, ck, notes
+
+
+def _open_for_resume(run_dir: Path):
     if not run_dir.is_dir():
         raise checkpoint.CheckpointError(f"{run_dir}: no such run folder")
     if (run_dir / "events.jsonl").is_file() and not any((run_dir / "checkpoints").glob("step_*")):
@@ -431,4 +523,5 @@ __all__ = [
     "TrainingDivergedError",
     "TrainingIOError",
     "open_for_resume",
+    "rank_hooks",
 ]
