@@ -64,6 +64,20 @@ Decisions:
 - ``run_start`` records ``task`` "vit", the model dims, ``n_params`` (the
   model's), ``n_trainable`` (the engine's), the data (root, classes, train
   and validation counts per class, ignored files) and the base.
+- Several ranks (``mpiexec -n N toy vit train``, ``toy.train.distributed``):
+  every rank reads the same folder and draws every micro-batch of a step
+  (``batch_size x grad_accum x N`` images, augmented in the one-process
+  order); the engine trains this rank's block and sums the gradients in
+  rank order, so N ranks with ``grad_accum`` 1 are bit for bit one process
+  with ``grad_accum`` N. Before anything is decoded the ranks compare their
+  config, the listing of their image folders (relative names and sizes:
+  reading every image on every rank would cost as much as decoding) and
+  the base model (``file_digest``), and their ggml CPU variants
+  (``mixed_cpus``); a difference stops every rank before a run folder
+  exists. Rank 0 alone writes the run; every rank evaluates (the loop is
+  the same everywhere). ``epochs`` count the images of all ranks, and the
+  state records ``ranks`` and ``global_micro_batches`` so a resume on
+  another number of ranks keeps the images per step (``regroup``).
 """
 
 from __future__ import annotations
@@ -81,8 +95,9 @@ import numpy as np
 import toy_ggml
 from toy.errors import BadInputError
 from toy.train import checkpoint
+from toy.train import distributed as dist
 from toy.train.stepgraph import ParamSpec, TrainEngine
-from toy.train.steploop import Hooks, RunResult, StepRun, TrainingIOError
+from toy.train.steploop import Hooks, RunResult, StepRun, TrainingIOError, rank_hooks
 from toy_vit.config import ViTConfig
 from toy_vit.model import forward, graph_size, params, patchify
 from toy_vit.trainconfig import LORA_TARGETS, ViTTrainConfig, ViTTrainConfigError, from_dict, to_dict, validate
@@ -299,6 +314,50 @@ def _base_path(cfg: ViTTrainConfig) -> Path:
     return p
 
 
+def _runtime(cfg: ViTTrainConfig, world: dist.World) -> toy_ggml.Runtime:
+    """``cfg.threads`` as given, else the physical cores, as many per step as
+    the load leaves room for; ranks sharing a host share its cores unless
+    the launcher bound each to its share (no bit depends on the thread count)."""
+    n, adaptive = dist.rank_threads(cfg.threads, world)
+    return toy_ggml.Runtime(cfg.device or os.environ.get("TOY_DEVICE") or "cpu", threads=n, adaptive=adaptive)
+
+
+def folder_digest(root: str | os.PathLike[str]) -> str:
+    """A fingerprint of an image folder: the relative names and sizes of
+    its files (not their contents: see the module docstring)."""
+    import hashlib
+
+    base = Path(root)
+    h = hashlib.sha256()
+    if not base.is_dir():
+        return "missing"
+    for f in sorted(p for p in base.rglob("*") if p.is_file()):
+        h.update(f"{f.relative_to(base).as_posix()}\0{f.stat().st_size}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def check_ranks(cfg: ViTTrainConfig, world: dist.World) -> tuple[dict[str, Any], str | None]:
+    """On several ranks, before anything is decoded or written: the same
+    config, image folders and base model on every rank, and their CPU
+    variants. Returns what ``run_start`` records as ``world`` and the
+    warning to note when ``mixed_cpus`` "allow" let different variants
+    through; ``RankMismatchError`` otherwise."""
+    base = [cfg.base] if cfg.base and Path(cfg.base).is_file() else []
+    dist.check_inputs(world, to_dict(cfg), base)  # settings, and the base model's size and the sha256 of its ends
+    folders = {k: folder_digest(v) for k, v in (("data", cfg.data), ("val_dir", cfg.val_dir)) if v}
+    every = world.allgather(folders, "comparing the ranks' image folders")
+    for r, f in enumerate(every):
+        diff = [k for k in sorted(set(f) | set(every[0])) if f.get(k) != every[0].get(k)]
+        if diff:
+            where = ", ".join(f"{k} {getattr(cfg, k)}" for k in diff)
+            raise dist.RankMismatchError(
+                f"rank {r} ({world.hosts[r]}) sees other images than rank 0 ({world.hosts[0]}) in {where} "
+                "(file names or sizes differ)",
+                hint="give every rank the same image folders, at the same paths",
+            )
+    return dist.world_facts(world, cfg.mixed_cpus)
+
+
 class ViTRun(StepRun):
     unit = "images"
     _frozen_ctx: toy_ggml.Context | None
@@ -312,25 +371,32 @@ class ViTRun(StepRun):
         ckpt: checkpoint.Resumable | None = None,
         lock=None,
         notes: list[str] | None = None,
+        world: dist.World | None = None,
     ):
         from toy.runs import RunWriter, runs_dir
         from toy.runs.folder import RunLock
         from toy_vit.data import Augment, DataError, ImageBatchStream, ImageFolder
 
         self.hooks, self.lock = hooks, lock
+        self.world = world = world or dist.World()
         st = ckpt.state if ckpt else {}
+        notes = list(notes or [])
+        world_info: dict[str, Any] = {}  # what run_start (or resume) records of several ranks
+        if world.distributed:
+            world_info, warning = check_ranks(cfg, world)
+            if warning:
+                notes.append(warning)
         folder = self.folder = ImageFolder(cfg.data, val_fraction=cfg.val_fraction, seed=cfg.seed, val_dir=cfg.val_dir)
         classes = tuple(folder.classes)
-        notes = list(notes or [])
         if folder.n_val == 0:
             notes.append("no validation images (val_fraction 0): no eval events")
         if not cfg.steps:  # epochs -> steps: the recorded config says steps (epochs 0)
-            per = cfg.batch_size * cfg.grad_accum
+            per = cfg.batch_size * cfg.grad_accum * world.size
             n = max(1, math.ceil(cfg.epochs * folder.n_train / per))
             notes.append(f"{cfg.epochs:g} epoch(s) of {folder.n_train} training images = {n} steps of {per} images")
             cfg = dataclasses.replace(cfg, steps=n, epochs=0.0)
         self.cfg = cfg
-        start: dict[str, Any] = {}
+        start: dict[str, Any] = {"world": world_info} if world_info else {}  # run_start's extra fields
         self.base_sha = None
         base_values: dict[str, np.ndarray] = {}
         if cfg.base:
@@ -397,11 +463,7 @@ class ViTRun(StepRun):
         # frozen tensors: the base's (a fine-tune's checkpoint holds LoRA-merged weights)
         self.frozen_values = {n: base_values[n] for n in frozen_names}
 
-        # cfg.threads as given, else the physical cores, as many per step as the load leaves room for
-        n_threads, adaptive = toy_ggml.runtime_threads(cfg.threads or None)
-        self.runtime = toy_ggml.Runtime(
-            cfg.device or os.environ.get("TOY_DEVICE") or "cpu", threads=n_threads, adaptive=adaptive
-        )
+        self.runtime = _runtime(cfg, world)
         self._frozen_ctx = self._eval = None
         try:
             self._frozen_ctx, frozen = bind_arrays(self.runtime, self.frozen_values)
@@ -420,6 +482,7 @@ class ViTRun(StepRun):
                 context=1,
                 accum=cfg.grad_accum,
                 label_smoothing=cfg.label_smoothing,
+                world=world,
             )
         except BaseException:
             self._close_own()
@@ -466,10 +529,17 @@ class ViTRun(StepRun):
             "ignored_files": len(folder.ignored),
         }
         try:
-            if ckpt:
+            if not world.is_root:
+                pass  # rank 0 writes the run: below, this rank learns its folder
+            elif ckpt:
                 assert resume_from is not None  # a checkpoint comes with the run folder it resumes
                 self.writer = RunWriter.reopen(resume_from)
-                self.writer.event("resume", from_step=ckpt.step, checkpoint=ckpt.model_path.name)
+                self.writer.event(
+                    "resume",
+                    from_step=ckpt.step,
+                    checkpoint=ckpt.model_path.name,
+                    **({"world": world_info} if world_info else {}),
+                )
             else:
                 self.writer = RunWriter(
                     "train",
@@ -485,6 +555,16 @@ class ViTRun(StepRun):
                     **start,
                 )
                 self.lock = RunLock(self.writer.dir)
+            if world.distributed:
+                said = world.bcast(
+                    (str(self.writer.dir), self.writer.run_id) if world.is_root else None,
+                    what="waiting for rank 0 to open the run folder",
+                )
+                if not world.is_root:
+                    if said is None:
+                        raise TrainingIOError("rank 0 could not open the run folder; it reports why")
+                    self.writer = dist.RankWriter(*said)  # type: ignore[assignment]
+                dist.announce(world, self.writer.dir)
             for text in notes:
                 self.writer.event("note", text=text)
                 if hooks.note:
@@ -493,6 +573,8 @@ class ViTRun(StepRun):
             self.close()
             if self.lock is not None:
                 self.lock.release()
+            if world.distributed and world.is_root and not hasattr(self, "writer"):
+                world.bcast(None)  # the other ranks wait for the run folder: there is none
             if isinstance(e, OSError):
                 where = e.filename or (resume_from or runs_dir(cfg.out))
                 raise TrainingIOError(
@@ -502,7 +584,7 @@ class ViTRun(StepRun):
                 ) from e
             raise
         self.init_counters(ckpt)
-        self.per_step = cfg.batch_size * cfg.grad_accum
+        self.per_step = cfg.batch_size * cfg.grad_accum * world.size
         self.eval_at_start = bool(cfg.base)
 
     # -------------------------------------------------------------- evaluation
@@ -593,6 +675,8 @@ class ViTRun(StepRun):
             "images_seen": self.seen,
             "base_sha256": self.base_sha,
             "head": self.head,
+            "ranks": self.world.size,
+            "global_micro_batches": self.cfg.grad_accum * self.world.size,
         }
 
     def write_model(self, path: Path, values: dict[str, np.ndarray], step: int, run_id: str) -> None:
@@ -653,8 +737,10 @@ def train(cfg: ViTTrainConfig, hooks: Hooks | None = None) -> RunResult:
     from toy.runs import runs_dir
     from toy.runs.folder import check_output_dir
 
+    world = dist.World.from_env()  # first: a rank that fails after this ends every rank (the CLI aborts MPI)
     cfg = validate(cfg)
-    check_output_dir(runs_dir(cfg.out), "runs folder (out)")  # before the images are decoded
+    if world.is_root:  # rank 0 alone writes the run folder
+        check_output_dir(runs_dir(cfg.out), "runs folder (out)")  # before the images are decoded
     absolute: dict[str, Any] = {"data": str(Path(cfg.data).expanduser().absolute())}
     if cfg.base:
         absolute["base"] = str(Path(cfg.base).expanduser().absolute())
@@ -662,7 +748,7 @@ def train(cfg: ViTTrainConfig, hooks: Hooks | None = None) -> RunResult:
         absolute["val_dir"] = str(Path(cfg.val_dir).expanduser().absolute())
     if cfg.cache_dir:
         absolute["cache_dir"] = str(Path(cfg.cache_dir).expanduser().absolute())
-    return ViTRun(dataclasses.replace(cfg, **absolute), hooks or Hooks()).run()
+    return ViTRun(dataclasses.replace(cfg, **absolute), rank_hooks(hooks or Hooks(), world), world=world).run()
 
 
 def resume(run_dir: str | Path, hooks: Hooks | None = None, *, steps: int | None = None) -> RunResult:
@@ -689,23 +775,32 @@ def _recorded_model(ckpt: checkpoint.Resumable) -> ViTConfig:
         ) from None
 
 
-def resume_task(run_dir, hooks, *, lock, ckpt, notes, steps) -> RunResult:
+def resume_task(run_dir, hooks, *, lock, ckpt, notes, steps, world: dist.World | None = None) -> RunResult:
     """The ``toy.train_tasks`` entry point ``vit``: continue the run whose
-    checkpoint ``ckpt`` ``toy.train.lmrun.resume`` opened; takes over ``lock``."""
+    checkpoint ``ckpt`` ``toy.train.lmrun.resume`` opened; takes over ``lock``
+    (rank 0's: the other ranks of a run on several hold none). ``world``: the
+    ranks (default: the world this process was launched into; on another
+    number of ranks than the checkpoint's, ``grad_accum`` is regrouped)."""
     try:
+        if world is None:
+            world = dist.World.from_env()
         try:
             cfg = from_dict(ckpt.state.get("config"))
         except BadInputError as e:
             raise checkpoint.config_error(ckpt, e) from None
         if steps is not None:
             cfg = validate(dataclasses.replace(cfg, steps=steps))
+        accum, note = dist.regroup(world, cfg.grad_accum, ckpt.state)
+        cfg = dataclasses.replace(cfg, grad_accum=accum)
+        notes = [*(notes or []), *([note] if note else [])]
         if ckpt.step >= cfg.steps:
             raise checkpoint.CheckpointError(
                 f"{run_dir}: already at step {ckpt.step} of {cfg.steps}", hint="pass --steps N with a larger N to go on"
             )
-        run = ViTRun(cfg, hooks or Hooks(), resume_from=Path(run_dir), ckpt=ckpt, lock=lock, notes=notes)
+        run = ViTRun(cfg, hooks or Hooks(), resume_from=Path(run_dir), ckpt=ckpt, lock=lock, notes=notes, world=world)
     except BaseException:
-        lock.release()
+        if lock is not None:
+            lock.release()
         raise
     return run.run()
 

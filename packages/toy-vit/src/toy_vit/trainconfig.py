@@ -32,6 +32,11 @@ Fields and defaults (see the dataclass for the list):
   ``TOY_DEVICE``, else cpu), ``out`` (the runs folder), ``eval_every`` 100,
   ``eval_batches`` 0 (all), ``save_every`` 500 (0: at the end only),
   ``keep_checkpoints`` 3 (0: all);
+- several ranks (``mpiexec -n N toy vit train``, ``--ranks N``):
+  ``mixed_cpus`` "refuse" (ranks on different ggml CPU variants stop
+  before training, naming the variant to start every rank with) or "allow"
+  (they train, with a warning note: the bits then differ from a one-process
+  run); ``batch_size`` and ``grad_accum`` are per rank;
 - fine-tuning: ``base`` (a ViT GGUF to start from, ``--from``), ``freeze``
   (train only the head and the final LayerNorm), ``lora_rank`` (0: off),
   ``lora_alpha`` 16, ``lora_targets`` ("q", "k", "v", "out"). ``freeze`` and
@@ -53,6 +58,8 @@ from toy.train.optim import SCHEDULES, OptimConfig
 
 #: LoRA target -> the adapted projection's GGUF stem in each block
 LORA_TARGETS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "out": "attn_out", "up": "ffn_up", "down": "ffn_down"}
+#: what ranks on different ggml CPU variants do (``toy.train.distributed.check_cpu_variants``)
+MIXED_CPUS = ("refuse", "allow")
 DIMS = ("image_size", "patch_size", "n_channels", "d_model", "n_layer", "n_head", "d_ff")
 
 
@@ -108,6 +115,7 @@ class ViTTrainConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = ("q", "k", "v", "out")
+    mixed_cpus: str = "refuse"
 
     # what toy.train.steploop.StepRun reads besides the fields
     @property
@@ -253,6 +261,8 @@ def validate(cfg: ViTTrainConfig) -> ViTTrainConfig:
             bad("lora_targets", f"{t!r} is not one of {', '.join(LORA_TARGETS)}")
     if len(set(cfg.lora_targets)) != len(cfg.lora_targets):
         bad("lora_targets", f"{list(cfg.lora_targets)} names a target twice")
+    if cfg.mixed_cpus not in MIXED_CPUS:
+        bad("mixed_cpus", f"{cfg.mixed_cpus!r} is not one of {', '.join(MIXED_CPUS)}")
     if cfg.freeze and cfg.lora_rank:
         bad("freeze", "freeze and LoRA exclude each other (LoRA already freezes the base and trains the head)")
     if (cfg.freeze or cfg.lora_rank) and not cfg.base:
@@ -261,4 +271,13 @@ def validate(cfg: ViTTrainConfig) -> ViTTrainConfig:
     return cfg
 
 
-__all__ = ["DIMS", "LORA_TARGETS", "ViTTrainConfig", "ViTTrainConfigError", "from_dict", "to_dict", "validate"]
+__all__ = [
+    "DIMS",
+    "LORA_TARGETS",
+    "MIXED_CPUS",
+    "ViTTrainConfig",
+    "ViTTrainConfigError",
+    "from_dict",
+    "to_dict",
+    "validate",
+]
