@@ -62,7 +62,7 @@ app = typer.Typer(
     no_args_is_help=True,
 )
 
-_M, _P, _O, _F = "Model", RUN_PANEL, "Optimizer", "Fine-tuning"
+_M, _P, _O, _F, _R = "Model", RUN_PANEL, "Optimizer", "Fine-tuning", "Processes"
 
 # eval and classify (not toy_cli.ui's Batch: that counts tokens)
 ImageBatch = Annotated[int, typer.Option("--batch-size", "-b", help="Images per forward pass.")]
@@ -292,6 +292,23 @@ def train_cmd(
         bool,
         typer.Option("--freeze", help="With --from: train only the head and the final LayerNorm.", rich_help_panel=_F),
     ] = False,
+    ranks: Annotated[
+        int | None,
+        typer.Option(
+            "--ranks",
+            help="Train on N processes of this machine: mpiexec starts them (needs the distributed extra of toy-cli).",
+            rich_help_panel=_R,
+        ),
+    ] = None,
+    mixed_cpus: Annotated[
+        str | None,
+        typer.Option(
+            "--mixed-cpus",
+            help="Ranks on different ggml CPU variants: refuse (default: stop, naming the variant to use) or allow "
+            "(train; the bits then differ from a one-process run).",
+            rich_help_panel=_R,
+        ),
+    ] = None,
     quiet: Quiet = False,
     as_json: JsonSummary = False,
 ) -> None:
@@ -303,6 +320,7 @@ def train_cmd(
         "--seed": seed, "--eval-every": eval_every, "--save-every": save_every, "--no-flip": no_flip or None,
         "--out": out, "--threads": threads, "--device": device, "--lr": lr, "--warmup": warmup,
         "--label-smoothing": label_smoothing, "--from": base, "--freeze": freeze or None,
+        "--mixed-cpus": mixed_cpus,
     }  # fmt: skip
     if resume is not None:
         extra = [k for k, v in given.items() if v is not None]
@@ -318,7 +336,7 @@ def train_cmd(
             raise bad_input(f"{resume}: not a toy vit run (a language-model run)", f"toy train --resume {resume}")
         from toy.train.lmrun import resume as resume_run
 
-        run_training(lambda hooks: resume_run(resume, hooks, steps=steps), quiet, as_json, "toy vit train")
+        run_training(lambda hooks: resume_run(resume, hooks, steps=steps), quiet, as_json, "toy vit train", ranks)
         return
     if data is None:
         raise bad_input("give the image folder to train on: toy vit train DATA", "toy vit demo-data digits writes one")
@@ -337,7 +355,7 @@ def train_cmd(
         "batch_size": batch_size, "seed": seed, "eval_every": eval_every, "save_every": save_every,
         "flip": False if no_flip else None, "out": str(out) if out else None, "threads": threads, "device": device,
         "lr": lr, "warmup": warmup, "label_smoothing": label_smoothing, "base": str(base) if base else None,
-        "freeze": True if freeze else None,
+        "freeze": True if freeze else None, "mixed_cpus": mixed_cpus,
     }  # fmt: skip
     with _errors():
         from toy_vit.trainconfig import ViTTrainConfig, validate
@@ -347,7 +365,7 @@ def train_cmd(
             _check_base(base, cfg.overrides())
     from toy_vit.train import train
 
-    run_training(lambda hooks: train(cfg, hooks), quiet, as_json, "toy vit train")
+    run_training(lambda hooks: train(cfg, hooks), quiet, as_json, "toy vit train", ranks)
 
 
 def _pair(text: str | None) -> tuple[float, float] | None:

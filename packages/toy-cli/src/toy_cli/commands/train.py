@@ -30,6 +30,7 @@ from typing import Annotated
 import typer
 
 from toy_cli.arch_help import arch_help, preset_help, targets_help
+from toy_cli.ranks import run_ranks
 from toy_cli.ui import (
     RUN_PANEL,
     JsonSummary,
@@ -61,6 +62,7 @@ def train_main(
         Path | None, typer.Option("--resume", help="Continue the run in this folder from its latest checkpoint.")
     ] = None,
     steps: Annotated[int | None, typer.Option("--steps", help="With --resume: raise the total steps.")] = None,
+    ranks: Ranks = None,
     quiet: Quiet = False,
     as_json: JsonSummary = False,
 ) -> None:
@@ -68,10 +70,12 @@ def train_main(
     if ctx.invoked_subcommand is not None:
         if resume is not None:
             raise bad_input("--resume goes without a subcommand: toy train --resume RUN_DIR")
+        run_ranks(ranks)  # `toy train --ranks N RECIPE ...`: the same as after the recipe
         return
     if resume is None:
         typer.echo(ctx.get_help())
         raise typer.Exit(0)
+    run_ranks(ranks)
     from toy.train.lmrun import resume as resume_run
 
     run_training(lambda hooks: resume_run(resume, hooks, steps=steps), quiet, as_json)
@@ -116,6 +120,8 @@ def from_scratch(
     diagnostics_every: DiagEvery = None,
     report_to: ReportTo = None,
     trace: Trace = None,
+    ranks: Ranks = None,
+    mixed_cpus: MixedCpus = None,
     quiet: Quiet = False,
     as_json: JsonSummary = False,
 ) -> None:
@@ -152,8 +158,10 @@ def from_scratch(
                 "optim.schedule": schedule,
                 "optim.warmup": warmup,
                 **_inspect(diagnostics, diagnostics_every, report_to, trace),
+                "mixed_cpus": mixed_cpus,
             },
         )
+    run_ranks(ranks)
     from toy.train.lmrun import train
 
     run_training(lambda hooks: train(cfg, hooks), quiet, as_json)
@@ -217,6 +225,26 @@ Trace = Annotated[
 ]
 
 
+_R = "Processes"
+Ranks = Annotated[
+    int | None,
+    typer.Option(
+        "--ranks",
+        help="Train on N processes of this machine: mpiexec starts them (needs the distributed extra of toy-cli).",
+        rich_help_panel=_R,
+    ),
+]
+MixedCpus = Annotated[
+    str | None,
+    typer.Option(
+        "--mixed-cpus",
+        help="Ranks on different ggml CPU variants: refuse (default: stop, naming the variant to use) or allow "
+        "(train; the bits then differ from a one-process run).",
+        rich_help_panel=_R,
+    ),
+]
+
+
 def _list(text: str | None, what: str) -> list[str] | None:
     if text is None:
         return None
@@ -246,13 +274,16 @@ def _project(recipe: str) -> dict:
     return project.train_defaults(recipe) if project is not None else {}
 
 
-def _finetune(recipe: str, config: Path | None, values: dict, quiet: bool, as_json: bool) -> None:
+def _finetune(
+    recipe: str, config: Path | None, values: dict, quiet: bool, as_json: bool, ranks: int | None = None
+) -> None:
     with cli_errors():
         from toy.train import config as C
 
         under = _project(recipe)
         cfg = C.load_toml(config, recipe=recipe, under=under) if config else C.defaults(recipe, under)
         cfg = C.override(cfg, **values)
+    run_ranks(ranks)  # the config is valid: the ranks start (their errors would be printed once per rank)
     from toy.train.lmrun import train
 
     run_training(lambda hooks: train(cfg, hooks), quiet, as_json)
@@ -322,6 +353,8 @@ def lora_cmd(
     diagnostics_every: DiagEvery = None,
     report_to: ReportTo = None,
     trace: Trace = None,
+    ranks: Ranks = None,
+    mixed_cpus: MixedCpus = None,
     quiet: Quiet = False,
     as_json: JsonSummary = False,
 ) -> None:
@@ -331,7 +364,8 @@ def lora_cmd(
     values.update({"lora.targets": _list(targets, "--targets"), "lora.rank": rank, "lora.alpha": alpha,
                    "lora.dropout": dropout, "lora.rslora": rslora})  # fmt: skip
     values.update(_inspect(diagnostics, diagnostics_every, report_to, trace))
-    _finetune("lora", config, values, quiet, as_json)
+    values["mixed_cpus"] = mixed_cpus
+    _finetune("lora", config, values, quiet, as_json, ranks)
 
 
 @train_app.command("full")
@@ -364,6 +398,8 @@ def full_cmd(
     diagnostics_every: DiagEvery = None,
     report_to: ReportTo = None,
     trace: Trace = None,
+    ranks: Ranks = None,
+    mixed_cpus: MixedCpus = None,
     quiet: Quiet = False,
     as_json: JsonSummary = False,
 ) -> None:
@@ -372,7 +408,8 @@ def full_cmd(
                      save_every, out, device, threads, lr, schedule, warmup)  # fmt: skip
     values["freeze"] = _list(freeze, "--freeze")
     values.update(_inspect(diagnostics, diagnostics_every, report_to, trace))
-    _finetune("full", config, values, quiet, as_json)
+    values["mixed_cpus"] = mixed_cpus
+    _finetune("full", config, values, quiet, as_json, ranks)
 
 
 @train_app.command("warm-start")
@@ -418,6 +455,8 @@ def warm_start_cmd(
     diagnostics_every: DiagEvery = None,
     report_to: ReportTo = None,
     trace: Trace = None,
+    ranks: Ranks = None,
+    mixed_cpus: MixedCpus = None,
     quiet: Quiet = False,
     as_json: JsonSummary = False,
 ) -> None:
@@ -433,7 +472,8 @@ def warm_start_cmd(
                    "model.n_head_kv": n_head_kv, "model.d_ff": d_ff, "warm_start.layers": layer_ids,
                    "warm_start.project": project})  # fmt: skip
     values.update(_inspect(diagnostics, diagnostics_every, report_to, trace))
-    _finetune("warm-start", config, values, quiet, as_json)
+    values["mixed_cpus"] = mixed_cpus
+    _finetune("warm-start", config, values, quiet, as_json, ranks)
 
 
 @train_app.command("demo-corpus")

@@ -83,14 +83,20 @@ def set_verbose(verbose: bool) -> None:
 
 def report(exc: BaseException, message: str, hint: str | None = None) -> None:
     """Print ``error: MESSAGE`` and ``hint: HINT`` on stderr (with ``--verbose``,
-    ``exc``'s traceback first)."""
+    ``exc``'s traceback first), in one write. On an MPI rank other than 0
+    (``mpiexec -n N toy train``) each line starts with ``rank R: ``: every
+    rank may report the same refusal, and the lines must not interleave."""
     if _state["verbose"]:
         import traceback
 
         traceback.print_exception(exc)
-    print(f"error: {message}", file=sys.stderr)
-    if hint:
-        print(f"hint: {hint}", file=sys.stderr)
+    from toy.train.distributed import launched_rank
+
+    rank = launched_rank()
+    lead = f"rank {rank}: " if rank else ""
+    text = f"{lead}error: {message}\n" + (f"{lead}hint: {hint}\n" if hint else "")
+    sys.stderr.write(text)
+    sys.stderr.flush()
 
 
 def handle_error(exc: Exception) -> int:

@@ -29,11 +29,24 @@ Invariants:
   an ``error:`` line says at which step, which checkpoint is left (a
   checkpoint being written is removed, so ``latest`` stays complete) and
   how to go on, and the command exits 130.
+- One of several MPI ranks other than rank 0 (``mpiexec -n N toy train``,
+  ``--ranks N``) prints no progress, stop lines or summary: rank 0 speaks
+  for the run. A rank that fails (an error, or the abort of a third signal)
+  prints its ``error:`` lines, then ends every rank at once with
+  ``MPI_Abort`` and its exit code: an ordinary exit would leave the others
+  waiting for it until their communication timeout (hydra ends the other
+  ranks only when one dies of a signal), and MPI's finalization would wait
+  for them too. The stops that every rank agrees on (the step after a
+  signal, the end) exit normally. An error of MPI itself (a peer died)
+  waits ``MPI_FAILURE_WAIT`` seconds first: when the peer died of a signal,
+  hydra ends every rank and says so, and ``toy train --ranks`` then names
+  the lost rank rather than this one's MPI error.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -44,7 +57,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from toy_cli.ui.errors import cli_errors
+from toy_cli.ui.errors import cli_errors, handle_error
 from toy_cli.ui.progress import start_bar
 
 if TYPE_CHECKING:
@@ -52,21 +65,25 @@ if TYPE_CHECKING:
     from rich.progress import TaskID
 
 _UNITS = {"tokens": "tok", "images": "img"}  # short names of the step units in progress lines
+ABORT_RELAY_WAIT = 0.5  # seconds between a rank's last error line and its MPI_Abort (``_abort_ranks``)
+MPI_FAILURE_WAIT = 2.0  # seconds a rank whose MPI call failed waits for the launcher to end it, before MPI_Abort
 
 
 @contextmanager
-def stop_signals() -> Iterator[dict]:
+def stop_signals(quiet: bool = False) -> Iterator[dict]:
     """Yield a dict whose "signal" is set by the first SIGINT/SIGTERM (and
     "count" counts them); the second is ignored with a line, the third
-    raises KeyboardInterrupt (the module docstring)."""
+    raises KeyboardInterrupt (the module docstring). ``quiet``: without the
+    lines."""
     state: dict = {"signal": None, "count": 0}
 
     def handler(signum, _frame):
         state["count"] += 1
         if state["count"] == 1:
             state["signal"] = signum
-            print("\nstopping after this step (saving a checkpoint)...", file=sys.stderr)
-        elif state["count"] == 2:
+            if not quiet:
+                print("\nstopping after this step (saving a checkpoint)...", file=sys.stderr)
+        elif state["count"] == 2 and not quiet:
             print(
                 "\nstopping: finishing the step and writing its checkpoint; press Ctrl-C again to abort without it",
                 file=sys.stderr,
@@ -210,7 +227,7 @@ def _val_metrics(result) -> dict:
     return {}
 
 
-def _finish(result, as_json: bool, sig, quiet: bool = False, command: str = "toy train") -> None:
+def _summary(result, as_json: bool, quiet: bool, command: str) -> None:
     metrics = _val_metrics(result)
     if as_json:
         typer.echo(
@@ -247,6 +264,12 @@ def _finish(result, as_json: bool, sig, quiet: bool = False, command: str = "toy
             )
             if result.reason == "interrupted":
                 print(f"resume: {command} --resume {result.run_dir}", file=sys.stderr)
+
+
+def _finish(result, as_json: bool, sig, quiet: bool = False, command: str = "toy train", silent: bool = False) -> None:
+    """The summary (``silent``: none, the exit code only)."""
+    if not silent:
+        _summary(result, as_json, quiet, command)
     if result.reason == "interrupted" and sig == signal.SIGINT:
         raise typer.Exit(130)
 
@@ -268,24 +291,64 @@ def _report_abort(e: KeyboardInterrupt, command: str) -> None:
         print(f"hint: run the command again to start over ({e.run_dir} can be deleted)", file=sys.stderr)
 
 
-def run_training(fn: Callable, quiet: bool, as_json: bool, command: str = "toy train") -> None:
+def run_training(
+    fn: Callable, quiet: bool, as_json: bool, command: str = "toy train", ranks: int | None = None
+) -> None:
     """Run ``fn(hooks)`` (a training run returning its ``RunResult``) with the
     progress display, the stop signals and toy's errors as CLI errors, then
     print the summary as ``toy train`` does (see the module docstring);
-    ``command`` is what the hints name to resume (``toy vit train``)."""
+    ``command`` is what the hints name to resume (``toy vit train``).
+    ``ranks``: a ``--ranks N`` flag's value; N > 1 runs this command line as
+    N MPI ranks instead (``toy_cli.ranks``) and ends the command with their
+    exit code."""
+    if ranks is not None:
+        from toy_cli.ranks import run_ranks
+
+        run_ranks(ranks, command)
+    from toy.train.distributed import launched_rank, launched_size
     from toy.train.lmrun import Hooks
 
+    several = launched_size() > 1
+    follower = launched_rank() > 0  # rank 0 speaks for the run (the module docstring)
+    quiet = quiet or follower
     bar = TrainingProgress(quiet)
-    with cli_errors(), stop_signals() as st:
-        hooks = Hooks(
-            progress=bar.progress, note=bar.note, should_stop=lambda: st["signal"] is not None, phase=bar.phase
-        )
-        try:
-            result = fn(hooks)
-        except KeyboardInterrupt as e:  # a third signal (or one before the handlers were installed)
-            bar.close()
-            _report_abort(e, command)
-            raise typer.Exit(130) from None
-        finally:
-            bar.close()
-    _finish(result, as_json, st["signal"], quiet, command)
+    try:
+        with cli_errors(), stop_signals(follower) as st:
+            hooks = Hooks(
+                progress=bar.progress, note=bar.note, should_stop=lambda: st["signal"] is not None, phase=bar.phase
+            )
+            try:
+                result = fn(hooks)
+            except KeyboardInterrupt as e:  # a third signal (or one before the handlers were installed)
+                bar.close()
+                if not follower:
+                    _report_abort(e, command)
+                if several:
+                    _abort_ranks(130)
+                raise typer.Exit(130) from None
+            finally:
+                bar.close()
+    except Exception as e:
+        mpi = sys.modules.get("mpi4py.MPI")
+        if several and mpi is not None and not isinstance(e, (typer.Exit, SystemExit)):
+            if isinstance(e, mpi.Exception):  # MPI itself failed: most often a peer died of a signal; hydra
+                time.sleep(MPI_FAILURE_WAIT)  # then ends this rank too and names the dead one (toy_cli.ranks)
+            _abort_ranks(handle_error(e))  # the error's lines, then every rank ends
+        raise
+    _finish(result, as_json, st["signal"], quiet, command, silent=follower)
+
+
+def _abort_ranks(code: int) -> None:
+    """End every rank of this MPI run now with ``code`` (``MPI_Abort``), after
+    flushing what this one printed; nothing when MPI was never loaded (the
+    failure came before the ranks met: each ends on its own)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # the launcher relays a rank's output through pipes and stops relaying once the job aborts: give it a
+    # moment to pass on the lines just written (measured: without it they were lost in 1 run of 8)
+    time.sleep(ABORT_RELAY_WAIT)
+    mpi.COMM_WORLD.Abort(code)
+    os._exit(code)  # MPICH's MPI_Abort may return once it has told the launcher: nothing more to run or print
