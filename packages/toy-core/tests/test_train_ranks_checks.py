@@ -31,20 +31,14 @@ from pathlib import Path
 
 import pytest
 
+from toy_testsupport.ranks import mpiexec
+
 PY = sys.executable
 TOY = [PY, "-m", "toy_cli"]
 SMALL = ["--d-model", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "64"]
 SMALL += ["--vocab-size", "300", "--batch-size", "2", "--context", "32", "--threads", "1", "--eval-every", "0"]
 TIMEOUT = 120  # seconds any one launch may take (each takes a few)
 HOST = os.uname().nodename
-
-
-def _mpiexec() -> str:
-    beside = Path(PY).parent / "mpiexec"
-    found = str(beside) if beside.is_file() else shutil.which("mpiexec")
-    if found is None:  # requirements/dev.txt installs mpi4py and mpich: CI has it
-        pytest.skip("no mpiexec: pip install 'toy-core[distributed]'")
-    return found
 
 
 def _env(work: Path, **extra: str) -> dict[str, str]:
@@ -113,7 +107,7 @@ def _private_mount(source: Path, target: Path) -> list[str]:
 
 def test_another_config_on_one_rank(work):
     cmd = _train(work, "o-config")
-    r = _run([_mpiexec(), "-n", "1", *cmd, ":", "-n", "1", *cmd, "--lr", "0.002"], work)
+    r = _run([mpiexec(), "-n", "1", *cmd, ":", "-n", "1", *cmd, "--lr", "0.002"], work)
     _refused(
         r,
         f"error: rank 1 ({HOST}) was started with other settings than rank 0: optim.lr 0.002 (rank 0: 0.001)",
@@ -125,7 +119,7 @@ def test_another_config_on_one_rank(work):
 def test_another_data_file_at_the_same_path(work):
     cmd = _train(work, "o-data")
     rank1 = _private_mount(work / "other", work / "c" / "small")
-    r = _run([_mpiexec(), "-n", "1", *cmd, ":", "-n", "1", *rank1, *cmd], work)
+    r = _run([mpiexec(), "-n", "1", *cmd, ":", "-n", "1", *rank1, *cmd], work)
     changed = sorted((work / "c" / "small").iterdir())[0]
     _refused(r, f"error: rank 1 ({HOST}) reads other input files than rank 0 ({HOST}): {changed} differ")
     assert _no_run(work, "o-data")
@@ -137,11 +131,11 @@ def test_another_donor_model_at_the_same_path(work):
     cmd = [*TOY, "train", "warm-start", str(work / "c" / "small"), "-m", "model.gguf", *dims, *run]
     cmd += ["--steps", "2", "--out", "o-model", "--quiet"]
     rank1 = _private_mount(work / "model2.gguf", work / "model.gguf")
-    r = _run([_mpiexec(), "-n", "1", *cmd, ":", "-n", "1", *rank1, *cmd], work)
+    r = _run([mpiexec(), "-n", "1", *cmd, ":", "-n", "1", *rank1, *cmd], work)
     _refused(r, "reads other input files than rank 0", "model.gguf differ (size or content)")
     assert _no_run(work, "o-model")
     # the same command on both ranks, with the same file, trains
-    r = _run([_mpiexec(), "-n", "2", *cmd], work)
+    r = _run([mpiexec(), "-n", "2", *cmd], work)
     assert r.returncode == 0, r.stderr
     assert not _no_run(work, "o-model")
 
@@ -168,7 +162,7 @@ def _variants() -> tuple[str, str]:
 def test_ranks_on_different_cpu_variants_are_refused(work):
     own, other = _variants()
     cmd = _train(work, "o-cpu")
-    r = _run([_mpiexec(), "-n", "1", *cmd, ":", "-n", "1", "env", f"TOY_GGML_CPU_VARIANT={other}", *cmd], work)
+    r = _run([mpiexec(), "-n", "1", *cmd, ":", "-n", "1", "env", f"TOY_GGML_CPU_VARIANT={other}", *cmd], work)
     _refused(
         r,
         f"error: the ranks run different ggml CPU variants (rank 0 {own}, rank 1 {other})",
@@ -181,7 +175,7 @@ def test_ranks_on_different_cpu_variants_are_refused(work):
 def test_mixed_cpus_allow_trains_and_records_the_variants(work):
     own, other = _variants()
     cmd = _train(work, "o-mixed", "--mixed-cpus", "allow")
-    r = _run([_mpiexec(), "-n", "1", *cmd, ":", "-n", "1", "env", f"TOY_GGML_CPU_VARIANT={other}", *cmd], work)
+    r = _run([mpiexec(), "-n", "1", *cmd, ":", "-n", "1", "env", f"TOY_GGML_CPU_VARIANT={other}", *cmd], work)
     assert r.returncode == 0, r.stderr
     (run,) = (work / "o-mixed").iterdir()
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()]
@@ -205,13 +199,13 @@ def test_an_unknown_mixed_cpus_value_is_bad_input(work):
 
 @pytest.mark.parametrize("extra", [["--diagnostics", "activations"], ["--trace", "trace.json"]])
 def test_diagnostics_and_traces_need_one_process(work, extra):
-    r = _run([_mpiexec(), "-n", "2", *_train(work, "o-diag", *extra)], work)
+    r = _run([mpiexec(), "-n", "2", *_train(work, "o-diag", *extra)], work)
     _refused(r, "error: training diagnostics and step traces are one-process tools", "hint: run them without --ranks")
     assert _no_run(work, "o-diag") and not (work / "trace.json").exists()
 
 
 @pytest.mark.parametrize(("value", "says"), [("abc", "is not a number of seconds"), ("0", "must be positive")])
 def test_an_invalid_comm_timeout_is_bad_input(work, value, says):
-    r = _run([_mpiexec(), "-n", "2", *_train(work, "o-timeout")], work, TOY_COMM_TIMEOUT=value)
+    r = _run([mpiexec(), "-n", "2", *_train(work, "o-timeout")], work, TOY_COMM_TIMEOUT=value)
     _refused(r, f"error: TOY_COMM_TIMEOUT={value!r}", says)
     assert _no_run(work, "o-timeout")

@@ -38,6 +38,7 @@ import pytest
 from toy.gguf import GGUFFile
 from toy.train import checkpoint, lmrun
 from toy.train.steploop import Hooks
+from toy_testsupport.ranks import mpiexec
 from toy_testsupport.vit_images import write_folder
 from toy_vit.config import ViTConfig
 from toy_vit.gguf_io import write_gguf
@@ -72,14 +73,6 @@ sys.stdout.write(json.dumps({"run_dir": str(r.run_dir), "reason": r.reason, "fin
 """
 
 
-def _mpiexec() -> str:
-    beside = Path(PY).parent / "mpiexec"
-    found = str(beside) if beside.is_file() else shutil.which("mpiexec")
-    if found is None:  # requirements/dev.txt installs mpi4py and mpich: CI has it
-        pytest.skip("no mpiexec: pip install 'toy-core[distributed]'")
-    return found
-
-
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     w = tmp_path_factory.mktemp("vitranks")
@@ -107,13 +100,13 @@ def _launch(cmd: list[str], work: Path) -> subprocess.CompletedProcess:
 
 
 def _ranks_cli(n: int, args: list[str], work: Path) -> subprocess.CompletedProcess:
-    return _launch([_mpiexec(), "-n", str(n), PY, "-m", "toy_cli", "vit", "train", *args], work)
+    return _launch([mpiexec(), "-n", str(n), PY, "-m", "toy_cli", "vit", "train", *args], work)
 
 
 def _ranks_driver(n: int, spec: dict, work: Path) -> dict:
     script = work / "driver.py"
     script.write_text(DRIVER)
-    r = _launch([_mpiexec(), "-n", str(n), PY, str(script), json.dumps(spec)], work)
+    r = _launch([mpiexec(), "-n", str(n), PY, str(script), json.dumps(spec)], work)
     assert r.returncode == 0, r.stderr
     lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
     assert len(lines) == n  # every rank returns the same result
@@ -196,7 +189,7 @@ def test_two_ranks_on_the_cli_equal_one_process_with_two_micro_batches(work, ref
 
 def test_ranks_flag_launches_the_same_run(work, reference2):
     """``toy vit train --ranks 2`` starts ``mpiexec -n 2`` itself: the same bytes."""
-    _mpiexec()
+    mpiexec()
     r = _launch([PY, "-m", "toy_cli", "vit", "train", "data", *CLI_ARGS, "--out", "flag2", "--ranks", "2"], work)
     assert r.returncode == 0, r.stderr
     run = _only_run(work / "flag2")
@@ -251,7 +244,7 @@ def test_a_one_process_run_resumed_on_two_ranks_ends_on_the_same_bytes(work, ref
     hooks = Hooks(progress=lambda i: done.append(i["step"]), should_stop=lambda: len(done) >= 3)
     run = _reference(work, "stop1", 2, hooks=hooks)
     assert sorted(_steps(run)) == [1, 2, 3]
-    r = _launch([_mpiexec(), "-n", "2", PY, "-m", "toy_cli", "vit", "train", "--resume", str(run)], work)
+    r = _launch([mpiexec(), "-n", "2", PY, "-m", "toy_cli", "vit", "train", "--resume", str(run)], work)
     assert r.returncode == 0, r.stderr
     assert _steps(run) == _steps(reference2)
     _same_checkpoints(reference2, run, [6])
@@ -264,7 +257,7 @@ def test_resuming_two_micro_batches_a_rank_says_the_bits_change(work):
     done: list[int] = []
     hooks = Hooks(progress=lambda i: done.append(i["step"]), should_stop=lambda: len(done) >= 2)
     run = _reference(work, "stop4", 4, hooks=hooks, batch_size=2, steps=4, save_every=0)
-    r = _launch([_mpiexec(), "-n", "2", PY, "-m", "toy_cli", "vit", "train", "--resume", str(run)], work)
+    r = _launch([mpiexec(), "-n", "2", PY, "-m", "toy_cli", "vit", "train", "--resume", str(run)], work)
     assert r.returncode == 0, r.stderr
     assert [s[2] for s in _steps(run).values()] == [8, 16, 24, 32]  # 4 x 2 images a step throughout
     notes = [e["text"] for e in _events(run) if e["kind"] == "note"]
@@ -278,7 +271,7 @@ def test_a_count_of_micro_batches_the_ranks_cannot_share_is_refused(work):
     hooks = Hooks(progress=lambda i: done.append(i["step"]), should_stop=lambda: len(done) >= 1)
     run = _reference(work, "stop3", 3, hooks=hooks, steps=2, save_every=0)
     before = (run / "events.jsonl").read_bytes()
-    r = _launch([_mpiexec(), "-n", "2", PY, "-m", "toy_cli", "vit", "train", "--resume", str(run)], work)
+    r = _launch([mpiexec(), "-n", "2", PY, "-m", "toy_cli", "vit", "train", "--resume", str(run)], work)
     assert r.returncode == 2, r.stderr
     assert "error: the run's steps take 3 micro-batches, which 2 ranks cannot share evenly" in r.stderr
     assert "Traceback" not in r.stderr
@@ -302,7 +295,7 @@ def test_ranks_with_other_images_at_the_same_path_stop_before_writing(work, tmp_
     (other / "a" / "extra.png").write_bytes((other / "a" / "00.png").read_bytes())  # and one image more
     args = ["data", *CLI_ARGS, "--out", "mismatch"]
     rank1 = ["unshare", "-m", "sh", "-c", f'mount --bind {other} {work / "data"} && exec "$@"', "sh"]
-    cmd = [_mpiexec(), "-n", "1", PY, "-m", "toy_cli", "vit", "train", *args]
+    cmd = [mpiexec(), "-n", "1", PY, "-m", "toy_cli", "vit", "train", *args]
     cmd += [":", "-n", "1", *rank1, PY, "-m", "toy_cli", "vit", "train", *args]
     r = _launch(cmd, work)
     assert r.returncode != 0
@@ -315,7 +308,7 @@ def test_ranks_with_other_images_at_the_same_path_stop_before_writing(work, tmp_
 
 def test_ranks_with_another_config_stop_before_writing(work):
     a = ["data", *CLI_ARGS, "--out", "mismatch2"]
-    cmd = [_mpiexec(), "-n", "1", PY, "-m", "toy_cli", "vit", "train", *a]
+    cmd = [mpiexec(), "-n", "1", PY, "-m", "toy_cli", "vit", "train", *a]
     cmd += [":", "-n", "1", PY, "-m", "toy_cli", "vit", "train", *a, "--lr", "0.002"]
     r = _launch(cmd, work)
     assert r.returncode == 2, r.stderr
@@ -335,7 +328,7 @@ def test_ranks_on_different_cpu_variants_are_refused_unless_allowed(work):
     other = others[0][1]
     for out, extra in (("cpu-refuse", []), ("cpu-allow", ["--mixed-cpus", "allow"])):
         a = [PY, "-m", "toy_cli", "vit", "train", "data", *CLI_ARGS, "--out", out, *extra]
-        cmd = [_mpiexec(), "-n", "1", *a, ":", "-n", "1", "env", f"TOY_GGML_CPU_VARIANT={other}", *a]
+        cmd = [mpiexec(), "-n", "1", *a, ":", "-n", "1", "env", f"TOY_GGML_CPU_VARIANT={other}", *a]
         r = subprocess.run(
             cmd, cwd=work, env={**env, **_env_vars(work)}, capture_output=True, text=True, timeout=TIMEOUT
         )

@@ -43,8 +43,10 @@ from toy_cli.ui import (
     AsJson,
     Device,
     JsonSummary,
+    MixedCpus,
     Progress,
     Quiet,
+    Ranks,
     RunsDir,
     RunsOut,
     Seed,
@@ -62,7 +64,7 @@ app = typer.Typer(
     no_args_is_help=True,
 )
 
-_M, _P, _O, _F, _R = "Model", RUN_PANEL, "Optimizer", "Fine-tuning", "Processes"
+_M, _P, _O, _F = "Model", RUN_PANEL, "Optimizer", "Fine-tuning"
 
 # eval and classify (not toy_cli.ui's Batch: that counts tokens)
 ImageBatch = Annotated[int, typer.Option("--batch-size", "-b", help="Images per forward pass.")]
@@ -292,23 +294,8 @@ def train_cmd(
         bool,
         typer.Option("--freeze", help="With --from: train only the head and the final LayerNorm.", rich_help_panel=_F),
     ] = False,
-    ranks: Annotated[
-        int | None,
-        typer.Option(
-            "--ranks",
-            help="Train on N processes of this machine: mpiexec starts them (needs the distributed extra of toy-cli).",
-            rich_help_panel=_R,
-        ),
-    ] = None,
-    mixed_cpus: Annotated[
-        str | None,
-        typer.Option(
-            "--mixed-cpus",
-            help="Ranks on different ggml CPU variants: refuse (default: stop, naming the variant to use) or allow "
-            "(train; the bits then differ from a one-process run).",
-            rich_help_panel=_R,
-        ),
-    ] = None,
+    ranks: Ranks = None,
+    mixed_cpus: MixedCpus = None,
     quiet: Quiet = False,
     as_json: JsonSummary = False,
 ) -> None:

@@ -555,16 +555,7 @@ class ViTRun(StepRun):
                     **start,
                 )
                 self.lock = RunLock(self.writer.dir)
-            if world.distributed:
-                said = world.bcast(
-                    (str(self.writer.dir), self.writer.run_id) if world.is_root else None,
-                    what="waiting for rank 0 to open the run folder",
-                )
-                if not world.is_root:
-                    if said is None:
-                        raise TrainingIOError("rank 0 could not open the run folder; it reports why")
-                    self.writer = dist.RankWriter(*said)  # type: ignore[assignment]
-                dist.announce(world, self.writer.dir)
+            self.share_run_folder()
             for text in notes:
                 self.writer.event("note", text=text)
                 if hooks.note:
@@ -574,7 +565,7 @@ class ViTRun(StepRun):
             if self.lock is not None:
                 self.lock.release()
             if world.distributed and world.is_root and not hasattr(self, "writer"):
-                world.bcast(None)  # the other ranks wait for the run folder: there is none
+                self.share_run_folder()  # the other ranks wait for the run folder: there is none
             if isinstance(e, OSError):
                 where = e.filename or (resume_from or runs_dir(cfg.out))
                 raise TrainingIOError(

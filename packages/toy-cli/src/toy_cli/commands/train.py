@@ -34,7 +34,9 @@ from toy_cli.ranks import run_ranks
 from toy_cli.ui import (
     RUN_PANEL,
     JsonSummary,
+    MixedCpus,
     Quiet,
+    Ranks,
     RunsOut,
     Seed,
     TrainDevice,
@@ -221,26 +223,6 @@ Trace = Annotated[
     Path | None,
     typer.Option(
         "--trace", help="Write a Chrome/Perfetto trace of one training step to this file.", rich_help_panel=_L
-    ),
-]
-
-
-_R = "Processes"
-Ranks = Annotated[
-    int | None,
-    typer.Option(
-        "--ranks",
-        help="Train on N processes of this machine: mpiexec starts them (needs the distributed extra of toy-cli).",
-        rich_help_panel=_R,
-    ),
-]
-MixedCpus = Annotated[
-    str | None,
-    typer.Option(
-        "--mixed-cpus",
-        help="Ranks on different ggml CPU variants: refuse (default: stop, naming the variant to use) or allow "
-        "(train; the bits then differ from a one-process run).",
-        rich_help_panel=_R,
     ),
 ]
 

@@ -15,7 +15,7 @@ other distributions register in the ``toy.commands`` entry-point group
 - the shared options (``toy_cli.ui.options``): ``Device``, ``Threads``,
   ``Ctx``, ``Batch``, ``AsJson``, ``JsonReport``, ``RunsDir`` and a
   training run's ``TrainDevice``, ``TrainThreads``, ``Seed``, ``RunsOut``,
-  ``Quiet``, ``JsonSummary``;
+  ``Quiet``, ``JsonSummary``, ``Ranks``, ``MixedCpus``;
 - training commands (``toy_cli.ui.training``): ``run_training``, what
   ``toy train`` does around a run (progress, stop signals, errors, summary).
 
@@ -45,7 +45,9 @@ from toy_cli.ui.options import (
     Device,
     JsonReport,
     JsonSummary,
+    MixedCpus,
     Quiet,
+    Ranks,
     RunsDir,
     RunsOut,
     Seed,
@@ -68,8 +70,10 @@ __all__ = [
     "Device",
     "JsonReport",
     "JsonSummary",
+    "MixedCpus",
     "Progress",
     "Quiet",
+    "Ranks",
     "RunsDir",
     "RunsOut",
     "Seed",

@@ -66,6 +66,24 @@ TrainThreads = Annotated[
         rich_help_panel=RUN_PANEL,
     ),
 ]
+RANKS_PANEL = "Processes"
+Ranks = Annotated[
+    int | None,
+    typer.Option(
+        "--ranks",
+        help="Train on N processes of this machine: mpiexec starts them (needs the distributed extra of toy-cli).",
+        rich_help_panel=RANKS_PANEL,
+    ),
+]
+MixedCpus = Annotated[
+    str | None,
+    typer.Option(
+        "--mixed-cpus",
+        help="Ranks on different ggml CPU variants: refuse (default: stop, naming the variant to use) or allow "
+        "(train; the bits then differ from a one-process run).",
+        rich_help_panel=RANKS_PANEL,
+    ),
+]
 Seed = Annotated[
     int | None,
     typer.Option(

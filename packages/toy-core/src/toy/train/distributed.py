@@ -24,11 +24,13 @@ Decisions:
   owner. Traffic per rank and step: the gradients of the tensors it does not
   own out, its own tensors' gradients in, then the same sizes of parameters:
   what a ring all-reduce moves. So ZeRO-1 is always on when size > 1.
-- Messages are point-to-point (``Isend``/``Irecv``), so a wait knows which
-  rank has not answered. Every wait polls, without holding the core for long,
-  up to ``timeout`` seconds (``TOY_COMM_TIMEOUT``, default 600), then raises
-  ``CommTimeoutError`` naming the silent ranks. Object collectives wait on an
-  ``Ibarrier`` first, for the same reason.
+- Messages are point-to-point (``Isend``/``Irecv``; objects pickled, under
+  a tag of their own, received through a polled matched probe), so a wait
+  knows which rank has not answered, and no rank is ever inside a blocking
+  MPI call that a dead peer could leave unfinished. Every wait spins while
+  messages move, then polls at 1 ms, up to ``timeout`` seconds
+  (``TOY_COMM_TIMEOUT``, default 600), then raises ``CommTimeoutError``
+  naming the silent ranks.
 - A rank that dies is noticed by the launcher: MPICH's ``mpiexec`` ends the
   other ranks and says which process died (``toy train --ranks`` reports it
   with the run's last good checkpoint).
@@ -52,6 +54,7 @@ from toy.errors import BadInputError, ToyError
 EXTRA = "toy-core[distributed]"
 TIMEOUT_ENV = "TOY_COMM_TIMEOUT"
 DEFAULT_TIMEOUT = 600.0
+_OBJECT_TAG = 32000  # pickled objects; a tensor's messages are tagged with its index (below this; 32767 is MPI's minimum upper bound)
 
 # the world size an MPI launcher tells its processes (MPICH/Intel MPI's hydra and Slurm's PMI, Open MPI, PMIx)
 _SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
@@ -231,14 +234,18 @@ class World:
                             reqs[i].Cancel()
                         except MPI.Exception:
                             pass
-                peers = sorted({pending[i][1] for i in open_})
-                names = ", ".join(f"{p} ({self.hosts[p]})" if 0 <= p < len(self.hosts) else "some" for p in peers)
-                raise CommTimeoutError(
-                    f"rank {self.rank}: rank(s) {names} did not answer within {self.timeout:g} s while {what}",
-                    hint=f"a rank died or hangs; raise {TIMEOUT_ENV} if a step or set-up legitimately takes longer",
-                )
+                raise self._silent([pending[i][1] for i in open_], what)
             if now - last > 2.0:
                 time.sleep(0.001)
+
+    def _silent(self, peers: Sequence[int], what: str) -> CommTimeoutError:
+        """The error for ``peers`` that did not answer in time (-1: unknown)."""
+        hosts = getattr(self, "hosts", [])
+        names = ", ".join(f"{p} ({hosts[p]})" if 0 <= p < len(hosts) else str(p) for p in sorted(set(peers)) if p >= 0)
+        return CommTimeoutError(
+            f"rank {self.rank}: rank(s) {names or 'some'} did not answer within {self.timeout:g} s while {what}",
+            hint=f"a rank died or hangs; raise {TIMEOUT_ENV} if a step or set-up legitimately takes longer",
+        )
 
     def _fence(self, what: str) -> None:
         """Every rank has reached this point (an ``Ibarrier``, polled)."""
@@ -251,17 +258,47 @@ class World:
 
     # ---------------------------------------------------------------- objects
 
+    # Objects travel as point-to-point pickled messages under their own tag (tensor messages use the tensor's
+    # index), received by a polled matched probe: a rank that dies at any moment is noticed by the timeout,
+    # which a blocking collective begun just before it died would never give.
+
+    def _receive(self, sources: Sequence[int], what: str) -> dict[int, Any]:
+        got: dict[int, Any] = {}
+        pending = list(sources)
+        t0 = last = time.monotonic()
+        while pending:
+            for p in list(pending):
+                msg = self.comm.improbe(source=p, tag=_OBJECT_TAG)
+                if msg is not None:
+                    got[p] = msg.recv()
+                    pending.remove(p)
+                    last = time.monotonic()
+            now = time.monotonic()
+            if pending and now - t0 > self.timeout:
+                raise self._silent(pending, what)
+            if pending and now - last > 2.0:
+                time.sleep(0.001)
+        return got
+
     def allgather(self, obj: Any, what: str = "exchanging set-up facts") -> list[Any]:
+        """``obj`` of every rank, by rank."""
         if self.size == 1:
             return [obj]
-        self._fence(what)
-        return self.comm.allgather(obj)
+        peers = [p for p in range(self.size) if p != self.rank]
+        sends = [(self.comm.isend(obj, dest=p, tag=_OBJECT_TAG), p) for p in peers]
+        got = self._receive(peers, what)
+        self._wait(sends, what)
+        return [obj if p == self.rank else got[p] for p in range(self.size)]
 
     def bcast(self, obj: Any, root: int = 0, what: str = "receiving rank 0's facts") -> Any:
+        """``root``'s ``obj`` on every rank."""
         if self.size == 1:
             return obj
-        self._fence(what)
-        return self.comm.bcast(obj, root=root)
+        if self.rank == root:
+            peers = [p for p in range(self.size) if p != root]
+            self._wait([(self.comm.isend(obj, dest=p, tag=_OBJECT_TAG), p) for p in peers], what)
+            return obj
+        return self._receive([root], what)[root]
 
     def any(self, flag: bool, what: str = "agreeing whether to stop") -> bool:
         return any(self.allgather(bool(flag), what))
@@ -306,6 +343,8 @@ class World:
         mine = [i for i, o in enumerate(owner) if o == self.rank]
         if self.size == 1:
             return {i: np.array(arrays[i], np.float32, copy=True) for i in mine}
+        if len(owner) > _OBJECT_TAG:
+            raise ValueError(f"{len(owner)} tensors: more than the {_OBJECT_TAG} message tags toy uses for tensors")
         t0 = time.perf_counter()
         arr = [np.ascontiguousarray(a, np.float32) for a in arrays]
         sends = [(arr[i], o, i) for i, o in enumerate(owner) if o != self.rank and arr[i].size]

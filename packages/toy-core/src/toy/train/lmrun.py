@@ -251,16 +251,7 @@ class _Run(StepRun):
                 )
                 self.lock = RunLock(self.writer.dir)
                 report.attach(self.writer, cfg.report)
-            if world.distributed:
-                said = world.bcast(
-                    (str(self.writer.dir), self.writer.run_id) if world.is_root else None,
-                    what="waiting for rank 0 to open the run folder",
-                )
-                if not world.is_root:
-                    if said is None:
-                        raise TrainingIOError("rank 0 could not open the run folder; it reports why")
-                    self.writer = dist.RankWriter(*said)  # type: ignore[assignment]
-                dist.announce(world, self.writer.dir)
+            self.share_run_folder()
             for text in [*notes, *(self.setup.notes if self.setup else [])]:
                 self.writer.event("note", text=text)
                 if hooks.note:
@@ -273,7 +264,7 @@ class _Run(StepRun):
             if self.lock is not None:
                 self.lock.release()
             if world.distributed and world.is_root and not hasattr(self, "writer"):
-                world.bcast(None)  # the other ranks wait for the run folder: there is none
+                self.share_run_folder()  # the other ranks wait for the run folder: there is none
             if isinstance(e, OSError):  # config.json or events.jsonl (the runs folder was checked writable)
                 where = e.filename or (resume_from or runs_dir(cfg.out))
                 raise TrainingIOError(

@@ -79,7 +79,7 @@ from toy.errors import ToyError
 from toy.runs.folder import RunLock
 from toy.runs.reader import read_events
 from toy.train import checkpoint
-from toy.train.distributed import CommTimeoutError, World
+from toy.train.distributed import CommTimeoutError, RankWriter, World, announce
 from toy.train.optim import lr_at
 
 if TYPE_CHECKING:
@@ -210,6 +210,28 @@ class StepRun:
         self.engine.close()
         self.runtime.close()
 
+    def share_run_folder(self) -> None:
+        """Several ranks, once rank 0 has made (or reopened) the run folder,
+        or failed to (no ``writer``): every other rank gets a ``RankWriter``
+        of the same folder, and rank 0 records the ranks' pids
+        (``announce``). Called by every rank; a task calls it after its
+        writer is set up, and rank 0 also when that failed."""
+        world = self.world
+        if not world.distributed:
+            return
+        writer = getattr(self, "writer", None)
+        said = world.bcast(
+            (str(writer.dir), writer.run_id) if world.is_root and writer is not None else None,
+            what="waiting for rank 0 to open the run folder",
+        )
+        if said is None:
+            if world.is_root:
+                return  # rank 0 failed: its own error is the one it reports
+            raise TrainingIOError("rank 0 could not open the run folder; it reports why")
+        if not world.is_root:
+            self.writer = RankWriter(*said)  # type: ignore[assignment]
+        announce(world, self.writer.dir)
+
     # -------------------------------------------------------------- checkpoints
 
     def save(self) -> None:
@@ -262,29 +284,26 @@ class StepRun:
             what = f"could not write {where}: {e.strerror or e}"
         else:
             return None
-        if self.last_ckpt is not None and self.saved_step >= 0:
-            return TrainingIOError(
-                f"{what}; the last good checkpoint is step_{self.saved_step} ({self.last_ckpt})",
-                hint=f"free some space (or fix the folder), then go on from it: toy train --resume {self.writer.dir}",
-            )
-        return TrainingIOError(
-            f"{what}; no checkpoint had been written yet, so there is nothing to resume",
-            hint="free some space (or fix the folder) and start the run again",
-        )
+        return self._with_checkpoint(TrainingIOError, what, "free some space (or fix the folder)")
 
     def _lost_rank(self, e: BaseException) -> CommTimeoutError | None:
         """A rank that stopped answering, as the error to report: which one,
         and the last good checkpoint to resume from."""
         if not isinstance(e, CommTimeoutError):
             return None
+        return self._with_checkpoint(CommTimeoutError, str(e), "once every rank can run again")
+
+    def _with_checkpoint(self, cls, what: str, fix: str):
+        """``cls(what + where the run can go on from)``, with a hint that
+        says to ``fix`` it, then resume (or start again: no checkpoint yet)."""
         if self.last_ckpt is not None and self.saved_step >= 0:
-            return CommTimeoutError(
-                f"{e}; the last good checkpoint is step_{self.saved_step} ({self.last_ckpt})",
-                hint=f"go on from it once every rank can run again: toy train --resume {self.writer.dir}",
+            return cls(
+                f"{what}; the last good checkpoint is step_{self.saved_step} ({self.last_ckpt})",
+                hint=f"{fix}, then go on from it: toy train --resume {self.writer.dir}",
             )
-        return CommTimeoutError(
-            f"{e}; no checkpoint had been written yet, so there is nothing to resume",
-            hint="start the run again once every rank can run",
+        return cls(
+            f"{what}; no checkpoint had been written yet, so there is nothing to resume",
+            hint=f"{fix}, then start the run again",
         )
 
     def _diverged(self, loss: float, grad_norm: float) -> TrainingDivergedError:
