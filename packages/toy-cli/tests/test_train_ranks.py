@@ -28,6 +28,7 @@ import pytest
 from toy.extras import install_command
 from toy.train import checkpoint
 from toy_cli import ranks as R
+from toy_testsupport.ranks import run_command
 
 PY = sys.executable
 SMALL = ["--d-model", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "64"]
@@ -342,7 +343,7 @@ def test_a_rank_that_fails_alone_ends_every_rank_at_once(env, corpus, tmp_path):
            "--out", str(tmp_path / "runs")]  # fmt: skip
     env["TOY_COMM_TIMEOUT"] = "600"
     t0 = time.monotonic()
-    r = subprocess.run([mpiexec, "-n", "1", *cmd, ":", "-n", "1", "-env", "TOY_COMM_TIMEOUT", "0.00001", *cmd],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    mpmd = [mpiexec, "-n", "1", *cmd, ":", "-n", "1", "-env", "TOY_COMM_TIMEOUT", "0.00001", *cmd]
+    r = run_command(mpmd, cwd=tmp_path, env=env, timeout=120)  # the ranks are killed on a timeout
     assert time.monotonic() - t0 < 60
     assert r.returncode not in (0, 130) and "error: " in r.stderr, r.stderr

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from toy_testsupport.ranks import mpiexec
+from toy_testsupport.ranks import mpiexec, run_command
 
 PY = sys.executable
 TOY = [PY, "-m", "toy_cli"]
@@ -47,7 +47,7 @@ def _env(work: Path, **extra: str) -> dict[str, str]:
 
 
 def _run(cmd: list[str], work: Path, **extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=work, env=_env(work, **extra), capture_output=True, text=True, timeout=TIMEOUT)
+    return run_command(cmd, cwd=work, env=_env(work, **extra), timeout=TIMEOUT)  # ranks killed on a timeout
 
 
 @pytest.fixture(scope="module")

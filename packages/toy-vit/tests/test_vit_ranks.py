@@ -38,7 +38,7 @@ import pytest
 from toy.gguf import GGUFFile
 from toy.train import checkpoint, lmrun
 from toy.train.steploop import Hooks
-from toy_testsupport.ranks import mpiexec
+from toy_testsupport.ranks import mpiexec, run_command
 from toy_testsupport.vit_images import write_folder
 from toy_vit.config import ViTConfig
 from toy_vit.gguf_io import write_gguf
@@ -94,9 +94,9 @@ def _env_vars(work: Path) -> dict[str, str]:
 
 
 def _launch(cmd: list[str], work: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, **_env_vars(work)}
-    r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    return r
+    return run_command(
+        cmd, cwd=work, env={**os.environ, **_env_vars(work)}, timeout=TIMEOUT
+    )  # ranks killed on a timeout
 
 
 def _ranks_cli(n: int, args: list[str], work: Path) -> subprocess.CompletedProcess:

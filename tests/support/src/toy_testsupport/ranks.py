@@ -80,6 +80,24 @@ def start(
     )
 
 
+def run_command(
+    cmd: Sequence[str], *, cwd: str | os.PathLike[str], env: dict[str, str], timeout: float = TIMEOUT
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` exactly as given (an ``mpiexec`` line of the caller's, MPMD
+    included), with exactly ``env``, in a session of its own: on a timeout
+    or any error the launcher and every rank are killed, then
+    ``subprocess.TimeoutExpired`` is raised."""
+    p = subprocess.Popen(
+        list(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            kill_group(p)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
 def run(
     argv: Sequence[str],
     ranks: int = 1,
@@ -90,16 +108,7 @@ def run(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``argv`` on ``ranks`` processes and wait at most ``timeout`` seconds
     (then kill them all and raise ``subprocess.TimeoutExpired``)."""
-    p = start(argv, ranks, cwd=cwd, env=env)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(p)
-        raise
-    finally:
-        if p.poll() is None:
-            kill_group(p)
-    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    return run_command(launch(argv, ranks), cwd=cwd, env={**os.environ, **(env or {})}, timeout=timeout)
 
 
 def toy(args: Sequence[str], ranks: int = 1, **kw: Any) -> subprocess.CompletedProcess[str]:
@@ -142,9 +151,10 @@ def eval_losses(run_dir: str | os.PathLike[str]) -> dict[int, float]:
 
 
 def checkpoints(run_dir: str | os.PathLike[str]) -> list[Path]:
-    """The model checkpoints of a run (not their ``.state.gguf``), by name."""
+    """The model checkpoints of a run (not their ``.state.gguf``), by step
+    (a name order would put step_11 before step_8)."""
     files = (Path(run_dir) / "checkpoints").glob("step_*.gguf")
-    return sorted(p for p in files if not p.name.endswith(".state.gguf"))
+    return sorted((p for p in files if not p.name.endswith(".state.gguf")), key=lambda p: int(p.stem.split("_")[1]))
 
 
 def state_of(checkpoint: Path) -> Path:
