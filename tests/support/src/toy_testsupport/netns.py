@@ -308,6 +308,49 @@ class Hosts:
             raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
         return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
+    def popen(
+        self,
+        i: int,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        stdout: Any = subprocess.PIPE,
+        stderr: Any = subprocess.PIPE,
+        stdin: Any = subprocess.DEVNULL,
+    ) -> subprocess.Popen[str]:
+        """Start ``argv`` on host ``i`` (inside its namespace, with its host name), in its own
+        process group, with this process's environment plus ``env``; killed at teardown if
+        still alive. Text pipes by default: pass files (or DEVNULL) for long-lived servers,
+        whose unread pipes would fill."""
+        cmd = ["ip", "netns", "exec", self.namespaces[i], *_with_hostname(self.namespaces[i]), *argv]
+        p = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env={**os.environ, **(env or {})},
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+            text=True,
+            start_new_session=True,
+        )
+        self._procs.append(p)
+        return p
+
+    def run(
+        self, i: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float = 120.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` on host ``i`` to the end (``subprocess.TimeoutExpired`` after ``timeout``
+        seconds, the process group killed); text stdout and stderr."""
+        p = self.popen(i, argv, env=env)
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate(timeout=10)
+            raise subprocess.TimeoutExpired(p.args, timeout, out, err) from None
+        return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
 
 def _with_hostname(name: str) -> list[str]:
     """A command prefix that runs the rest of the command with its own host name ``name`` (a new
