@@ -252,7 +252,7 @@ STATUS_NOTES: dict[str, str] = {
     "503": "The model is still loading (`model_loading`) or failed to load, or the server is shutting down "
     "(then with `Retry-After: 1`).",
 }
-HEALTH_503 = '`{"status": "loading"}`, `{"status": "stopping"}`, or `{"status": "error", "message": ...}`'
+HEALTH_503 = '`{"status": "loading"}`, `{"status": "draining"}`, or `{"status": "error", "message": ...}`'
 
 ERROR_CODES: dict[str, tuple[int, str, str]] = {
     "context_length_exceeded": (400, "invalid_request_error", "prompt plus `max_tokens` exceed the context"),

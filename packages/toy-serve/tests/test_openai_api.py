@@ -134,6 +134,19 @@ def test_models_lists_the_alias(live, client, alias, smollm2_path):
     assert raw["object"] == "list" and raw["data"][0]["max_model_len"] == 512
 
 
+def test_server_info_names_the_alias_never_a_path(live, alias):
+    """The route routers of the SGLang family ask a worker (sglang-router names the model after it)."""
+    r = live.http.get("/server_info")
+    assert r.status_code == 200
+    assert r.json() == {
+        "model_path": alias,
+        "served_model_name": alias,
+        "is_generation": True,
+        "max_context_length": 512,
+    }
+    assert "/server_info" not in live.http.get("/openapi.json").json()["paths"]
+
+
 @pytest.mark.parametrize("text", ["Hello world", "héllo wörld 日本語 🙂", "<|im_start|>user\nhi<|im_end|>"])
 def test_tokenize_detokenize_round_trip(live, ref_model, text):
     r = live.http.post("/tokenize", json={"content": text})

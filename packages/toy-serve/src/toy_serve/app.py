@@ -1,6 +1,6 @@
 """The HTTP app: ``create_app(settings, model=None)`` -> an OpenAI-compatible FastAPI app.
 
-Routes: GET /health, /v1/models, /metrics, /tokenizer_info; POST /v1/completions,
+Routes: GET /health, /v1/models, /metrics, /tokenizer_info, /server_info (for routers); POST /v1/completions,
 /v1/chat/completions, /v1/embeddings, /tokenize, /detokenize; GET/POST /v1/adapters and
 DELETE /v1/adapters/{name} (``toy_serve.adapters``). Generation and
 embeddings run on one ``EngineWorker`` thread (continuous batching); each

@@ -1,5 +1,6 @@
 """The routes: /health, /v1/models, /metrics, /v1/completions,
-/v1/chat/completions, /v1/embeddings, /tokenize, /detokenize (``add_routes``),
+/v1/chat/completions, /v1/embeddings, /tokenize, /detokenize, /tokenizer_info and
+/server_info (a router's question which model this worker serves) (``add_routes``),
 /slots/{id} (slot save, restore and erase: ``add_slot_routes``),
 /v1/adapters (load, list and unload adapters: ``toy_serve.adapters``),
 and the mapping of toy's exceptions to OpenAI-shaped errors (``toy_error``)."""
@@ -214,11 +215,13 @@ def add_routes(app: FastAPI, srv: Server) -> None:
 
     add_adapter_routes(app, srv)
 
-    @app.get("/health", responses={503: {"description": "loading, stopping or failed to load"}})
+    @app.get("/health", responses={503: {"description": "loading, draining or failed to load"}})
     async def health() -> Response:
         if srv.status == "ok":
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": srv.status, **({"message": srv.error} if srv.error else {})}, 503)
+        # "stopping" is said "draining" here, the word routers and load balancers use for it
+        status = "draining" if srv.status == "stopping" else srv.status
+        return JSONResponse({"status": status, **({"message": srv.error} if srv.error else {})}, 503)
 
     @app.get("/v1/models", responses=_errors(401, 500))
     async def models() -> Response:
@@ -476,6 +479,18 @@ def add_routes(app: FastAPI, srv: Server) -> None:
 
         model = srv.ready()
         return JSONResponse(info(model.tokenizer, model.chat_template, model.engine.n_ctx))
+
+    @app.get("/server_info", include_in_schema=False)
+    async def server_info() -> Response:
+        """SGLang's worker route, for routers that ask each worker which model it serves: sglang-router
+        (sending its ``--api-key``) names its workers' model after ``served_model_name``, in its own
+        /v1/models too, where it says "unknown" without this. The alias only, never a path on this
+        machine; the API key applies. Left out of the OpenAPI document: a compatibility shim for
+        routers, not part of toy's API."""
+        card = {"model_path": alias, "served_model_name": alias, "is_generation": True}
+        if srv.status == "ok":
+            card["max_context_length"] = srv.ready().engine.n_ctx
+        return JSONResponse(card)
 
 
 # ------------------------------------------------------------------ slot save / restore (llama-server's API)

@@ -27,6 +27,7 @@ ENDPOINTS = {
     "/tokenize",
     "/detokenize",
     "/tokenizer_info",
+    "/server_info",
     "/v1/adapters",
 }
 OPEN_PATHS = {"/health", "/metrics", "/openapi.json"}
