@@ -12,7 +12,9 @@ expects into meson's output folder:
   level named in ``--variants`` (ggml's own variant table, narrowed by toy
   patch 0009), or a single ``libggml-cpu.so`` for a native build or on a CPU
   family without a variant list;
-- ``libggml-cuda.so`` / ``libggml-metal.so`` when that backend is chosen.
+- ``libggml-cuda.so`` / ``libggml-metal.so`` when that backend is chosen;
+- ``libggml-rpc.so``, ggml's RPC backend (remote devices over TCP, and the
+  server side of ``toy rpc-server``), always.
 
 Every library gets ``$ORIGIN`` as its run path and an unversioned soname, so
 the set works from any folder it is copied to (a wheel's package folder).
@@ -53,6 +55,10 @@ def cmake_defines(args: argparse.Namespace) -> dict[str, str]:
         "GGML_CUDA": "ON" if args.backend == "cuda" else "OFF",
         "GGML_METAL": "ON" if args.backend == "metal" else "OFF",
         "GGML_METAL_EMBED_LIBRARY": "ON" if args.backend == "metal" else "OFF",
+        # ggml's RPC backend (toy rpc-server, --rpc): a loadable module like the others, over
+        # TCP only (no RDMA transport, which would link libibverbs where it happens to exist)
+        "GGML_RPC": "ON",
+        "GGML_RPC_RDMA": "OFF",
         # plain file names (no libggml.so.0 -> libggml.so.0.25.3 links) and $ORIGIN run paths
         "CMAKE_PLATFORM_NO_VERSIONED_SONAME": "ON",
         "CMAKE_BUILD_WITH_INSTALL_RPATH": "ON",

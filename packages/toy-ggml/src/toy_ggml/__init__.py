@@ -6,8 +6,9 @@ The pieces:
   (``ctx.mul_mat(a, b)``, ``ctx.rope(...)``...). Shapes are NumPy order.
 - ``Graph`` collects what to compute (``build_forward``) and its gradients
   (``build_backward``).
-- ``Runtime`` owns a device backend, the CPU backend and a scheduler over both,
-  and computes graphs with the GIL released.
+- ``Runtime`` owns a device backend, the CPU backend and a scheduler over both
+  (plus any extra devices, such as remote ones from ``rpc_connect``), and
+  computes graphs with the GIL released.
 - Tensors read and write NumPy arrays by explicit copy (``numpy()``, ``set()``),
   or bind zero-copy into Python memory such as an mmap (``buffer_from_memory``
   and ``Tensor.bind``), read-only where the memory is.
@@ -36,7 +37,8 @@ from toy_ggml._core import (
 from toy_ggml._dispatch import cpu_variant, sum_step
 from toy_ggml.devices import Device, default_threads, devices, physical_cores, resolve_device, runtime_threads
 from toy_ggml.dtypes import GGMLType, TypeTraits, type_info
-from toy_ggml.errors import ClosedError, GGMLError, UnsupportedBackwardError
+from toy_ggml.errors import ClosedError, GGMLError, RPCError, UnsupportedBackwardError
+from toy_ggml.rpc import rpc_available, rpc_connect, rpc_serve
 
 _dispatch.load()  # exactly one CPU backend variant per process (see toy_ggml._dispatch)
 
@@ -55,6 +57,7 @@ __all__ = [
     "GGMLType",
     "GGML_VERSION",
     "Graph",
+    "RPCError",
     "Runtime",
     "Tensor",
     "TypeTraits",
@@ -70,6 +73,9 @@ __all__ = [
     "quantizable_types",
     "quantize",
     "resolve_device",
+    "rpc_available",
+    "rpc_connect",
+    "rpc_serve",
     "runtime_threads",
     "sum_step",
     "type_info",

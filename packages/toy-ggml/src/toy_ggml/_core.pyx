@@ -4,8 +4,9 @@
 ggml keeps global state (backend registry, CPU feature tables, quantization
 tables), so a process holds exactly one copy: this module links ggml
 statically and every binding lives here. The source is split into .pxi files
-by concern (handles and tensors, ops, graphs, runtime, quantization); they are
-textually included below and compiled as one module.
+by concern (handles and tensors, ops, graphs, backend loading, remote devices,
+runtime, quantization); they are textually included below and compiled as one
+module.
 
 Invariants (see docs/concepts/architecture.md, "The Cython boundary is thin"):
 - every check that would be a GGML_ASSERT (an abort) is done here first and
@@ -21,5 +22,6 @@ include "_tensor.pxi"
 include "_ops.pxi"
 include "_graph.pxi"
 include "_dispatch.pxi"
+include "_rpc.pxi"
 include "_runtime.pxi"
 include "_quant.pxi"

@@ -3,7 +3,7 @@
 # one to load lives in toy_ggml/_dispatch.py. Here: where the libraries are,
 # a variant's score (ggml's own test of this CPU, without registering it),
 # loading one backend module, and the CPU entry points the loaded module
-# hands out (Runtime uses them).
+# hands out (Runtime uses them); likewise the RPC module's (toy patch 0023).
 
 cdef extern from "<dlfcn.h>" nogil:
     ctypedef struct Dl_info:
@@ -55,13 +55,14 @@ def backend_score(path):
 def load_backend(path):
     """Load and register one backend module; returns its registry name. For
     the CPU backend this also takes its entry points (one CPU backend per
-    process: a second raises)."""
+    process: a second raises); for the RPC backend, toy's (patch 0023)."""
     global _cpu_reg, _cpu_dev, _cpu_set_n_threads, _tp_new, _tp_free, _cpu_set_tp
+    global _rpc_reg, _rpc_connect, _rpc_backend_error, _rpc_buffer_error, _rpc_serve
     cdef bytes p = str(path).encode()
     cdef ggml_backend_reg_t reg
     cdef ggml_backend_dev_t d
     cdef size_t i
-    if _cpu_reg != NULL and "ggml-cpu" in str(path):
+    if _cpu_reg != NULL and str(path).replace("\\", "/").rpartition("/")[2].startswith("libggml-cpu"):
         raise GGMLError("a CPU backend is already loaded in this process")
     reg = ggml_backend_load(p)
     if reg == NULL:
@@ -78,6 +79,18 @@ def load_backend(path):
                 raise GGMLError(f"{path} lacks the CPU backend's entry points")
             _cpu_reg = reg
             _cpu_dev = d
+    if name == "RPC" and _rpc_reg == NULL:
+        _rpc_connect = <toy_rpc_connect_t>ggml_backend_reg_get_proc_address(reg, "toy_rpc_connect")
+        _rpc_backend_error = <toy_rpc_backend_error_t>ggml_backend_reg_get_proc_address(reg, "toy_rpc_backend_error")
+        _rpc_buffer_error = <toy_rpc_buffer_error_t>ggml_backend_reg_get_proc_address(reg, "toy_rpc_buffer_error")
+        _rpc_serve = <toy_rpc_serve_t>ggml_backend_reg_get_proc_address(reg, "toy_rpc_serve")
+        if _rpc_connect == NULL or _rpc_backend_error == NULL or _rpc_buffer_error == NULL or _rpc_serve == NULL:
+            _rpc_connect = NULL
+            _rpc_backend_error = NULL
+            _rpc_buffer_error = NULL
+            _rpc_serve = NULL
+            raise GGMLError(f"{path} lacks toy's RPC entry points (toy patch 0023): not toy's RPC backend")
+        _rpc_reg = reg
     return name
 
 

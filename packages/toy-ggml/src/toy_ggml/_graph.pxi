@@ -90,6 +90,7 @@ cdef class Graph:
     cdef object _validated_for         # Runtime the graph was last checked for
     cdef list _index_checks            # [(Tensor idx, bound, desc)] data-dependent ranges
     cdef list _sched_owned             # addresses of tensors a Runtime's scheduler gave memory
+    cdef list _src_record              # each node's src pointers before a scheduler split the graph
     cdef object __weakref__
 
     def __init__(self, Context ctx, int size=2048, bint grads=False):
@@ -112,6 +113,7 @@ cdef class Graph:
         self._validated_for = None
         self._index_checks = None
         self._sched_owned = []
+        self._src_record = None
 
     cdef inline int _ok(self) except -1:
         if self.ctx._closed:
@@ -294,15 +296,34 @@ cdef class Graph:
         return out
 
     cdef int _validate(self, list backends, object runtime) except -1:
-        """Once per (graph version, runtime): every node runs somewhere, no
-        node writes into read-only memory, collect data-dependent index
+        """Once per (graph version, runtime): every node runs somewhere, every
+        tensor with memory lives where a device of the runtime can use it,
+        no node writes into read-only memory, collect data-dependent index
         checks."""
         cdef int i, k
         cdef ggml_tensor * node
         cdef ggml_tensor * root
+        cdef ggml_backend_buffer_t tbuf
         cdef uintptr_t b
         cdef bint ok
         checks = []
+        # ggml's scheduler aborts on a tensor in a buffer no backend of it takes
+        # (memory of another device: a remote one this runtime was not given)
+        for a in self._seen:
+            node = <ggml_tensor *><uintptr_t>a
+            tbuf = node.view_src.buffer if node.view_src != NULL else node.buffer
+            if tbuf == NULL:
+                continue
+            ok = False
+            for k in range(len(backends)):
+                if (ggml_backend_supports_buft(<ggml_backend_t><uintptr_t>backends[k], ggml_backend_buffer_get_type(tbuf))
+                        and ggml_backend_supports_op(<ggml_backend_t><uintptr_t>backends[k], node)):
+                    ok = True
+                    break
+            if not ok:
+                raise GGMLError(f"tensor {node.name.decode('utf-8', 'replace')!r} lives in a "
+                                f"{ggml_backend_buffer_name(tbuf).decode()} buffer, which no device of this runtime "
+                                f"can use for {_node_desc(node)}; give the runtime that device (extra_devices)")
         for i in range(ggml_graph_n_nodes(self.ptr)):
             node = ggml_graph_node(self.ptr, i)
             if node.op == GGML_OP_NONE:
@@ -369,7 +390,8 @@ cdef class Graph:
 cdef void _forget_sched_memory(Graph g) noexcept:
     """Drop the pointers a scheduler set in g's tensors: that memory is about
     to be reused or freed. Reading such a tensor then raises instead of
-    touching freed memory, and the next allocation gives it memory again."""
+    touching freed memory, and the next allocation gives it memory again.
+    Also give its nodes back the sources a scheduler's split replaced."""
     cdef ggml_tensor * t
     if g is None or g.ctx is None or g.ctx._freed:
         return
@@ -378,6 +400,36 @@ cdef void _forget_sched_memory(Graph g) noexcept:
         t.data = NULL
         t.buffer = NULL
     g._sched_owned = []
+    _restore_srcs(g)
+
+
+cdef void _record_srcs(Graph g) noexcept:
+    """Remember every node's sources before a scheduler over several backends
+    allocates g: its split points a node's source that lives on another
+    backend at a copy in the scheduler's own context
+    (ggml_backend_sched_split_graph), which the next graph's allocation
+    frees; _restore_srcs undoes that before g is allocated again."""
+    cdef int i, j, n = ggml_graph_n_nodes(g.ptr)
+    cdef ggml_tensor * node
+    rec = []
+    for i in range(n):
+        node = ggml_graph_node(g.ptr, i)
+        rec.append(tuple([<uintptr_t>node.src[j] for j in range(GGML_MAX_SRC)]))
+    g._src_record = rec
+
+
+cdef void _restore_srcs(Graph g) noexcept:
+    cdef int i, j, n
+    cdef ggml_tensor * node
+    if g._src_record is None:
+        return
+    n = min(len(g._src_record), ggml_graph_n_nodes(g.ptr))  # nodes added since were never split
+    for i in range(n):
+        node = ggml_graph_node(g.ptr, i)
+        srcs = g._src_record[i]
+        for j in range(GGML_MAX_SRC):
+            node.src[j] = <ggml_tensor *><uintptr_t>srcs[j]
+    g._src_record = None
 
 
 cdef int _index_check(list checks, ggml_tensor * node, ggml_tensor * idx, int64_t bound) except -1:

@@ -19,6 +19,7 @@ from toy_ggml._c.ggml cimport *
 from toy_ggml._c.ggml_backend cimport *
 from toy_ggml._c.ggml_alloc cimport *
 from toy_ggml._c.ggml_cpu cimport *
+from toy_ggml._c.ggml_rpc cimport *
 
 import atexit
 import logging
@@ -26,9 +27,17 @@ import logging
 import numpy as np
 cimport numpy as cnp
 
-from toy_ggml.errors import GGMLError, ClosedError
+from toy_ggml.errors import GGMLError, ClosedError, RPCError
 
 cnp.import_array()
+
+# ggml's RPC backend (toy patch 0023): its registry and entry points, set when
+# _dispatch.pxi's load_backend loads libggml-rpc.so; NULL without it.
+cdef ggml_backend_reg_t _rpc_reg = NULL
+cdef toy_rpc_connect_t _rpc_connect = NULL
+cdef toy_rpc_backend_error_t _rpc_backend_error = NULL
+cdef toy_rpc_buffer_error_t _rpc_buffer_error = NULL
+cdef toy_rpc_serve_t _rpc_serve = NULL
 
 _log = logging.getLogger("toy_ggml")
 

@@ -1,5 +1,7 @@
 # Devices and the Runtime: a chosen backend plus the CPU backend (always the
-# fallback) under one ggml scheduler, with a persistent CPU thread pool.
+# fallback) under one ggml scheduler, with a persistent CPU thread pool; and
+# optionally extra devices (remote ones over RPC, _rpc.pxi) in the same
+# scheduler, which runs each op where its weights live.
 #
 # The device is data: Runtime(device="CUDA0") or "cpu" or "auto"; model code
 # never branches on it. Tensors the scheduler gave memory (op results without
@@ -86,6 +88,7 @@ cdef class Runtime(_Handle):
     how many the last compute used."""
     cdef ggml_backend_t _primary
     cdef ggml_backend_t _cpu
+    cdef list _extras             # extra backends (addresses), in the order given
     cdef ggml_backend_sched_t _sched
     cdef ggml_threadpool_t _tp
     cdef int _sched_size
@@ -101,14 +104,20 @@ cdef class Runtime(_Handle):
     def __cinit__(self, *args, **kwargs):
         self._primary = NULL
         self._cpu = NULL
+        self._extras = []
         self._sched = NULL
         self._tp = NULL
         self._current = None
         self._busy = False
 
-    def __init__(self, device="auto", int threads=1, int graph_size=8192, int poll=0, bint adaptive=False):
+    def __init__(self, device="auto", int threads=1, int graph_size=8192, int poll=0, bint adaptive=False,
+                 extra_devices=()):
         cdef size_t i
         cdef ggml_backend_dev_t d, chosen = NULL
+        cdef ggml_backend_t eb
+        if isinstance(extra_devices, str):
+            raise TypeError("extra_devices is a sequence of device names, not one string")
+        extra_names = [str(x) for x in extra_devices]
         if threads < 1 or threads > 512:
             raise ValueError(f"threads={threads} must be in 1..512")
         if poll < 0 or poll > 100:
@@ -146,6 +155,29 @@ cdef class Runtime(_Handle):
         else:
             self._primary = self._cpu
             self.device = "CPU"
+        # ggml's scheduler takes at most 16 backends (GGML_SCHED_MAX_BACKENDS), the CPU and primary among them
+        max_extra = 15 if self._primary == self._cpu else 14
+        if len(extra_names) > max_extra:
+            raise ValueError(f"at most {max_extra} extra devices here (got {len(extra_names)})")
+        seen = {self.device.lower(), "cpu"}
+        for nm in extra_names:
+            d = _find_device(nm)
+            if d == NULL:
+                raise ValueError(f"unknown extra device {nm!r}; known: "
+                                 f"{', '.join(_known_device_names()) or 'none'} (remote devices come from "
+                                 "toy_ggml.rpc_connect(\"HOST:PORT\"))")
+            dn = ggml_backend_dev_name(d).decode()
+            if dn.lower() in seen:
+                raise ValueError(f"device {dn} is given twice (or is the primary device)")
+            seen.add(dn.lower())
+            eb = _start_device(d)
+            if eb == NULL:
+                if _dev_is_rpc(d):
+                    endpoint = ggml_backend_dev_description(d).decode()
+                    raise RPCError(f"RPC device {dn} ({endpoint}): {_rpc_reconnect_error(endpoint)}", endpoint)
+                raise GGMLError(f"could not start device {dn}")
+            self._extras.append(<uintptr_t>eb)
+        self._check_rpc()
         self.threads = threads
         self.active_threads = threads
         self.adaptive = adaptive and threads > 1
@@ -160,7 +192,7 @@ cdef class Runtime(_Handle):
             self._tp = _tp_new(&tpp)
             if self._tp != NULL:
                 _cpu_set_tp(self._cpu, self._tp)
-        self._backend_addrs = [<uintptr_t>self._primary]
+        self._backend_addrs = [<uintptr_t>self._primary] + list(self._extras)
         if self._primary != self._cpu:
             self._backend_addrs.append(<uintptr_t>self._cpu)
         self._make_sched(max(graph_size, 1024))
@@ -172,16 +204,22 @@ cdef class Runtime(_Handle):
             self._current = None
 
     cdef int _make_sched(self, int size) except -1:
-        cdef ggml_backend_t bk[2]
-        cdef int n = 1
+        # priority order: the primary device, the extra devices, the CPU last
+        # (ggml's rule: the last backend is the CPU, where anything can run)
+        cdef ggml_backend_t bk[16]
+        cdef int n = 0
         self._release_current()
         if self._sched != NULL:
             ggml_backend_sched_free(self._sched)
             self._sched = NULL
-        bk[0] = self._primary
         if self._primary != self._cpu:
-            bk[1] = self._cpu
-            n = 2
+            bk[n] = self._primary
+            n += 1
+        for a in self._extras:
+            bk[n] = <ggml_backend_t><uintptr_t>a
+            n += 1
+        bk[n] = self._cpu
+        n += 1
         self._sched = ggml_backend_sched_new(bk, NULL, n, size, False, True)
         if self._sched == NULL:
             raise GGMLError("could not create the backend scheduler")
@@ -198,6 +236,9 @@ cdef class Runtime(_Handle):
         if self._tp != NULL:
             _tp_free(self._tp)
             self._tp = NULL
+        for a in self._extras:
+            ggml_backend_free(<ggml_backend_t><uintptr_t>a)
+        self._extras = []
         if self._primary != NULL and self._primary != self._cpu:
             ggml_backend_free(self._primary)
         self._primary = NULL
@@ -220,31 +261,116 @@ cdef class Runtime(_Handle):
         self._check_open()
         return ggml_backend_get_default_buffer_type(self._primary)
 
+    cdef list _all_backends(self):
+        """Addresses of the backends in the order of ``backends``."""
+        out = [<uintptr_t>self._primary] + self._extras
+        if self._primary != self._cpu:
+            out.append(<uintptr_t>self._cpu)
+        return out
+
+    cdef ggml_backend_t _backend_named(self, str name) except NULL:
+        """The backend called ``name`` (its backend name as in ``backends``,
+        its device name, or "cpu"; any case)."""
+        self._check_open()
+        cdef ggml_backend_t b
+        want = name.lower()
+        if want == "cpu":
+            return self._cpu
+        for a in self._all_backends():
+            b = <ggml_backend_t><uintptr_t>a
+            if (ggml_backend_name(b).decode().lower() == want
+                    or ggml_backend_dev_name(ggml_backend_get_device(b)).decode().lower() == want):
+                return b
+        raise ValueError(f"this runtime has no device {name!r}; it has {', '.join(self.backends)}")
+
+    cdef ggml_backend_buffer_type_t _buft_for(self, object device) except NULL:
+        """The buffer type of the backend named ``device`` (None: the primary)."""
+        self._check_open()
+        if device is None:
+            return ggml_backend_get_default_buffer_type(self._primary)
+        cdef ggml_backend_t b = self._backend_named(str(device))
+        self._check_rpc()
+        cdef ggml_backend_buffer_type_t buft
+        with nogil:
+            buft = ggml_backend_get_default_buffer_type(b)
+        if buft == NULL:
+            self._check_rpc()
+            raise GGMLError(f"device {device!r} has no buffer type")
+        return buft
+
+    cdef int _check_rpc(self) except -1:
+        """RPCError when the connection under a remote device of this runtime
+        failed (toy patch 0023 marks it dead: a command failed or timed out)."""
+        cdef ggml_backend_t b
+        cdef const char * err
+        if _rpc_backend_error == NULL:
+            return 0
+        for a in self._extras:
+            b = <ggml_backend_t><uintptr_t>a
+            err = _rpc_backend_error(b)
+            if err != NULL:
+                d = ggml_backend_get_device(b)
+                endpoint = ggml_backend_dev_description(d).decode()
+                raise RPCError(f"RPC device {ggml_backend_dev_name(d).decode()} ({endpoint}): "
+                               f"{err.decode('utf-8', 'replace')}", endpoint)
+        return 0
+
     @property
     def backends(self):
-        """Names of the backends, primary first (CPU last as the fallback)."""
+        """Names of the backends: the primary first, then the extra devices
+        in the order given, then the CPU when it is not the primary. The
+        scheduler prefers them in this order, except that the CPU always
+        comes last (a CPU primary runs the ops the others do not take)."""
         self._check_open()
-        out = [ggml_backend_name(self._primary).decode()]
-        if self._primary != self._cpu:
-            out.append(ggml_backend_name(self._cpu).decode())
-        return out
+        return [ggml_backend_name(<ggml_backend_t><uintptr_t>a).decode() for a in self._all_backends()]
+
+    @property
+    def extra_devices(self):
+        """Device names of the extra devices (``extra_devices`` as given,
+        in ggml's spelling)."""
+        self._check_open()
+        return [ggml_backend_dev_name(ggml_backend_get_device(<ggml_backend_t><uintptr_t>a)).decode()
+                for a in self._extras]
+
+    def device_memory(self, str name):
+        """``(free, total)`` bytes of the device behind backend ``name`` (a
+        name from ``backends``, a device name, or "cpu"), as ggml reports
+        it; a remote device asks its server (zeros when it cannot)."""
+        cdef ggml_backend_t b = self._backend_named(name)
+        cdef ggml_backend_dev_t d = ggml_backend_get_device(b)
+        cdef size_t free_b = 0, total_b = 0
+        with nogil:
+            ggml_backend_dev_memory(d, &free_b, &total_b)
+        return free_b, total_b
 
     @property
     def cpu_gemm(self):
         """Whether products hinted for toy's CPU GEMM (``Context.mul_mat``'s
-        ``gemm``, patch 0011) run as such here: True when the CPU is this
-        runtime's only backend (a device backend would not know the hint)."""
+        ``gemm``, patch 0011) run as such here: True when every backend runs
+        toy's own CPU kernels, i.e. the CPU is the primary and every extra
+        device is remote (a ``toy rpc-server`` serves its CPU); a GPU would
+        not know the hint."""
         self._check_open()
-        return self._primary == self._cpu
+        if self._primary != self._cpu:
+            return False
+        for a in self._extras:
+            if not _dev_is_rpc(ggml_backend_get_device(<ggml_backend_t><uintptr_t>a)):
+                return False
+        return True
 
     cdef int _prepare(self, Graph graph) except -1:
         self._check_open()
         graph._ok()
+        self._check_rpc()
+        cdef bint current = (self._current is not None and self._current[0]() is graph
+                             and self._current[1] == graph.version)
+        if not current:
+            _restore_srcs(graph)   # before anything reads its nodes' sources
         if graph._validated_for != (self, graph.version):
             graph._validate(self._backend_addrs, self)
         if self._busy:
             raise GGMLError("this Runtime is computing in another thread; use one Runtime per thread")
-        if self._current is not None and self._current[0]() is graph and self._current[1] == graph.version:
+        if current:
             return 0
         cdef int need = ggml_graph_n_nodes(graph.ptr) + graph._n_leafs + 16
         if need * 2 > self._sched_size:
@@ -260,6 +386,8 @@ cdef class Runtime(_Handle):
             t = <ggml_tensor *><uintptr_t>a
             if t.data == NULL or (t.view_src != NULL and t.buffer == NULL):
                 owned.append(a)
+        if self._extras or self._primary != self._cpu:
+            _record_srcs(graph)   # the split below may repoint sources (undone when released)
         ggml_backend_sched_reset(self._sched)
         cdef bint ok
         self._busy = True
@@ -270,6 +398,7 @@ cdef class Runtime(_Handle):
             self._busy = False
         if not ok:
             self._current = None
+            self._check_rpc()
             raise MemoryError("the scheduler could not allocate the graph's tensors")
         graph._sched_owned = owned
         self._current = (weakref.ref(graph), graph.version)
@@ -329,6 +458,14 @@ cdef class Runtime(_Handle):
             if profile:
                 ggml_backend_sched_set_eval_callback(self._sched, NULL, NULL)
         try:
+            # a remote device that failed during the compute (its commands are
+            # asynchronous, so the status may still say success)
+            if self._extras:
+                try:
+                    self._check_rpc()
+                except RPCError:
+                    self._current = None
+                    raise
             if st != GGML_STATUS_SUCCESS:
                 self._current = None
                 _check_status(st, "graph compute")

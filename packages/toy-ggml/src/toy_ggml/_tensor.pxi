@@ -83,11 +83,13 @@ cdef Buffer _wrap_buffer(ggml_backend_buffer_t ptr, bint readonly):
     return b
 
 
-def buffer_from_memory(obj):
+def buffer_from_memory(obj, bint weights=False):
     """Wrap Python memory (bytes, bytearray, mmap, NumPy array…) as a CPU
     buffer without copying. Read-only memory gives a read-only buffer: tensors
     bound into it refuse writes. The memory must be 32-byte aligned (mmap
-    pages are)."""
+    pages are). ``weights``: mark the buffer as holding weights, so that a
+    scheduler with other devices (Runtime's ``extra_devices``) runs the ops
+    that read them on the CPU (see ``Context.allocate``)."""
     cdef Buffer b = Buffer.__new__(Buffer)
     PyObject_GetBuffer(obj, &b._view, PyBUF_SIMPLE)
     b._has_view = True
@@ -105,7 +107,23 @@ def buffer_from_memory(obj):
     b._readonly = bool(b._view.readonly)
     if b._readonly:
         _readonly_buffers.add(<uintptr_t>b.ptr)
+    if weights:
+        ggml_backend_buffer_set_usage(b.ptr, GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
     return b
+
+
+cdef int _check_rpc_buffer(ggml_tensor * t) except -1:
+    """RPCError when ``t`` lives on a remote device whose connection failed
+    (a read then left the data as it was, a write went nowhere)."""
+    cdef const char * err
+    if _rpc_buffer_error == NULL or t.buffer == NULL:
+        return 0
+    err = _rpc_buffer_error(t.buffer)
+    if err != NULL:
+        name = ggml_backend_buffer_name(t.buffer).decode()   # RPC<n>[HOST:PORT]
+        endpoint = name[name.find("[") + 1:len(name) - 1] if name.endswith("]") else ""
+        raise RPCError(f"RPC buffer {name}: {err.decode('utf-8', 'replace')}", endpoint)
+    return 0
 
 
 # --------------------------------------------------------------------------
@@ -257,12 +275,17 @@ cdef class _ContextBase(_Handle):
             raise KeyError(name)
         return _wrap(self, p, max(1, ggml_n_dims(p)))
 
-    def allocate(self, runtime=None):
+    def allocate(self, runtime=None, device=None, bint weights=False):
         """Give every tensor of this context that has no memory yet its own
-        memory in one buffer on ``runtime``'s primary device (CPU when None).
-        Returns the Buffer (owned by this context), or None if nothing
-        needed memory."""
+        memory in one buffer on ``runtime``'s primary device (CPU when None),
+        or on its device ``device`` (a name from ``runtime.backends``, a
+        device name such as "RPC0", or "cpu"). ``weights``: mark the buffer
+        as holding weights, so that the scheduler runs the ops that read them
+        on their device (how a model is split between devices). Returns the
+        Buffer (owned by this context), or None if nothing needed memory."""
         self._check_open()
+        if device is not None and runtime is None:
+            raise ValueError("allocate(device=...) needs the runtime that has that device")
         cdef ggml_backend_buffer_type_t buft
         cdef ggml_backend_buffer_t buf
         cdef ggml_tensor * p = ggml_get_first_tensor(self.ptr)
@@ -277,11 +300,15 @@ cdef class _ContextBase(_Handle):
         if runtime is None:
             buft = ggml_backend_cpu_buffer_type()
         else:
-            buft = (<Runtime?>runtime)._primary_buft()
+            buft = (<Runtime?>runtime)._buft_for(device)
         with nogil:
             buf = ggml_backend_alloc_ctx_tensors_from_buft(self.ptr, buft)
         if buf == NULL:
+            if runtime is not None:
+                (<Runtime>runtime)._check_rpc()
             raise MemoryError("could not allocate a buffer for the context's tensors")
+        if weights:
+            ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
         cdef Buffer b = _wrap_buffer(buf, False)
         self._own_buffer(b)
         b._closed = True   # freed with the context, never on its own
@@ -488,6 +515,7 @@ cdef class Tensor:
         cdef size_t n = ggml_nbytes(self.ptr)
         with nogil:
             ggml_backend_tensor_get(self.ptr, <void *>cnp.PyArray_DATA(arr), 0, n)
+        _check_rpc_buffer(self.ptr)
         return out
 
     def raw(self):
@@ -500,6 +528,7 @@ cdef class Tensor:
         cdef cnp.ndarray arr = out
         with nogil:
             ggml_backend_tensor_get(self.ptr, <void *>cnp.PyArray_DATA(arr), 0, n)
+        _check_rpc_buffer(self.ptr)
         return out
 
     def to_float(self):
@@ -538,6 +567,7 @@ cdef class Tensor:
         cdef size_t n = ggml_nbytes(self.ptr)
         with nogil:
             ggml_backend_tensor_set(self.ptr, <const void *>cnp.PyArray_DATA(c), 0, n)
+        _check_rpc_buffer(self.ptr)
 
     def set_raw(self, data):
         """Copy raw bytes (exactly nbytes of them) into the tensor. Quantized
@@ -555,6 +585,7 @@ cdef class Tensor:
             raise ValueError(f"data is not valid {self.dtype.name} (NaN/inf scales or values)")
         with nogil:
             ggml_backend_tensor_set(self.ptr, <const void *>cnp.PyArray_DATA(c), 0, n)
+        _check_rpc_buffer(self.ptr)
 
     def set_float(self, array):
         """Store float data, quantizing through ggml for quantized types."""

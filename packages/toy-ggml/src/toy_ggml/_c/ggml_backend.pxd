@@ -36,6 +36,7 @@ cdef extern from "ggml-backend.h" nogil:
     void ggml_backend_buffer_clear(ggml_backend_buffer_t buffer, uint8_t value)
     bint ggml_backend_buffer_is_host(ggml_backend_buffer_t buffer)
     void ggml_backend_buffer_set_usage(ggml_backend_buffer_t buffer, ggml_backend_buffer_usage usage)
+    ggml_backend_buffer_type_t ggml_backend_buffer_get_type(ggml_backend_buffer_t buffer)
 
     # backends
     const char * ggml_backend_name(ggml_backend_t backend)
@@ -46,6 +47,7 @@ cdef extern from "ggml-backend.h" nogil:
     void ggml_backend_synchronize(ggml_backend_t backend)
     ggml_status ggml_backend_graph_compute(ggml_backend_t backend, ggml_cgraph * cgraph)
     bint ggml_backend_supports_op(ggml_backend_t backend, const ggml_tensor * op)
+    bint ggml_backend_supports_buft(ggml_backend_t backend, ggml_backend_buffer_type_t buft)
     ggml_backend_dev_t ggml_backend_get_device(ggml_backend_t backend)
 
     # devices
