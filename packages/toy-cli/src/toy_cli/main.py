@@ -62,6 +62,10 @@ COMMANDS = {
         "Chat with a model in the terminal. /reset starts over, /exit (or Ctrl-D) leaves,\n"
         "Ctrl-C stops the current reply. The KV cache is kept between turns.",
     ),
+    "rpc-server": Lazy(
+        _M + "rpc",
+        "Serve this machine's CPU as a remote ggml device for --rpc HOST:PORT (loopback unless --allow-remote).",
+    ),
     "train": Lazy(
         _M + "train",
         "Train models: from scratch, LoRA/QLoRA, full fine-tune, warm-start; "

@@ -64,6 +64,7 @@ from toy_cli.ui import (
     fetch_if_missing,
     parse_lora_options,
 )
+from toy_cli.ui.options import Rpc, TensorSplit
 
 # kept equal to toy_serve.settings (importing it here would import toy for every `toy` command)
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
@@ -141,6 +142,8 @@ def serve(
     ] = 64,
     device: Device = None,
     threads: Threads = None,
+    rpc: Rpc = None,
+    tensor_split: TensorSplit = None,
     kv_type: Annotated[
         str,
         typer.Option(
@@ -292,6 +295,8 @@ def serve(
             speculative=speculative,
             draft_model=None if draft_model is None else str(draft_model),
             draft_max=draft_max,
+            rpc=(rpc,) if rpc else (),
+            tensor_split=tensor_split,  # type: ignore[arg-type]  # "A,B" from the command line: Settings parses it
         )
         from toy import store
 

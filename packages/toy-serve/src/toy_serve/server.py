@@ -63,6 +63,7 @@ class Server:
         self.prefix: Any = None  # the prefix cache (toy.engine.prefix.PrefixCache), when on
         self.fingerprint: Any = None  # what the model's K/V depend on (slot files, the cache's disk folder)
         self.draft: Any = None  # the --draft-model (a toy.Model), loaded with the worker, closed after it
+        self.remote_failure: str | None = None  # a remote device (--rpc) that failed while serving, and why
 
     def _load(self) -> Any:
         import toy
@@ -79,6 +80,8 @@ class Server:
             exact_batching=True,
             lora=list(s.lora) or None,
             adapters={name: (path, scale) for name, path, scale in s.adapters} or None,
+            rpc=s.rpc,
+            tensor_split=s.tensor_split,
         )
 
     def adapters(self) -> list[tuple[str | None, float]]:
@@ -94,6 +97,9 @@ class Server:
         assert m is not None  # start() loads the model first
         info = {"path": str(m.path), "alias": s.alias, "n_ctx": m.engine.n_ctx, "n_slot": m.engine.n_slot}
         info.update(n_vocab=m.cfg.n_vocab, d_model=m.cfg.d_model, n_layer=m.cfg.n_layer)
+        if m.placement.split:  # a model split across hosts (--rpc): where its layers went
+            info["placement"] = m.placement.to_dict()
+            log.info("%s: %s", m.path.name, m.describe())
         info["lora"] = [{"path": p, "scale": sc} for p, sc in self.adapters()]
         self.writer = RunWriter("serve", s.config(), root=s.runs_dir, model=info)
         try:
@@ -109,6 +115,9 @@ class Server:
                 speculative=s.speculative,
                 draft_max=s.draft_max,
             )
+            # a remote device (--rpc) that fails ends the requests in flight (the worker's error event names
+            # it) and makes /health report the failure: the model cannot compute again until restarted
+            self.worker.on_remote_failure = self.remote_failed
             self.worker.start()
             from toy_serve.adapters import AdapterTable
 
@@ -146,7 +155,7 @@ class Server:
         self.fingerprint = fingerprint(m, full=bool(s.cache_dir or s.slot_save_path))
         if s.cache_ram == 0:
             return None
-        if m.engine.cache.device != "CPU":
+        if m.engine.cache.device != "CPU":  # a device, or a model split across hosts ("CPU+RPC0[...]")
             log.warning("the prefix cache is CPU-only for now: off on %s", m.engine.cache.device)
             return None
         cache = PrefixCache(self.fingerprint, s.cache_ram << 20, s.cache_dir, s.cache_disk << 20)
@@ -192,9 +201,20 @@ class Server:
         if self.owns_model and self.model is not None:
             await asyncio.to_thread(self.model.close)
 
+    def remote_failed(self, exc: BaseException) -> None:
+        """A remote device of a model split across hosts (``--rpc``) failed: its connection stays dead, so
+        from now on /health answers 503 {"status": "error", "message": <the device and why>} (a router takes
+        the replica out of rotation) and every request 503 with that message. Called on the worker's thread."""
+        if self.status == "ok":
+            self.remote_failure = str(exc)
+            self.status, self.error = "error", self.remote_failure
+            log.error("a remote device failed; restart the server once it is back: %s", exc)
+
     def ready(self) -> Any:
         if self.status != "ok":
             what = {"loading": "the model is still loading", "stopping": "the server is shutting down"}
+            if self.remote_failure is not None:
+                what["error"] = self.remote_failure
             msg = what.get(self.status, f"the model failed to load: {self.error}")
             raise APIError(503, msg, type="server_error", code="model_loading" if self.status == "loading" else None)
         return self.model

@@ -211,6 +211,10 @@ class Settings:
     speculative: str = "none"  # the default speculation of requests: none, ngram or draft (needs draft_model)
     draft_model: str | None = None  # a GGUF with the model's vocabulary, drafting for "draft" speculation
     draft_max: int | None = None  # most draft tokens per step; None = the kind's default (ngram 8, draft 4)
+    # `toy rpc-server` endpoints ("HOST:PORT"; one comma-separated str is parsed): the layers are split between
+    # the local device and them (toy.engine.split); the prefix cache is then off (it needs every layer's K/V local)
+    rpc: tuple[str, ...] = ()
+    tensor_split: tuple[float, ...] | None = None  # the layers' shares, local device first; None = by free memory
 
     def __post_init__(self) -> None:
         if isinstance(self.model, Path):
@@ -267,6 +271,14 @@ class Settings:
             msg = "speculative=draft needs a draft model"
             raise BadInputError(msg, hint="give one with --draft-model PATH", field="draft_model")
         _int("draft_max", self.draft_max, 1, 64, optional=True)
+        from toy.engine.split import parse_endpoints, parse_tensor_split
+
+        object.__setattr__(self, "rpc", tuple(parse_endpoints(self.rpc)))
+        shares = parse_tensor_split(self.tensor_split)
+        object.__setattr__(self, "tensor_split", None if shares is None else tuple(shares))
+        if shares is not None and not self.rpc:
+            msg = "tensor_split needs rpc: with one device there is nothing to split"
+            raise BadInputError(msg, hint="add --rpc HOST:PORT or drop --tensor-split", field="tensor_split")
 
     @property
     def alias(self) -> str:
@@ -297,6 +309,8 @@ class Settings:
         d["lora"] = [{"path": p, "scale": sc} for p, sc in self.lora]
         d["adapters"] = [{"name": n, "path": p, "scale": sc} for n, p, sc in self.adapters]
         d["alias"] = self.alias
+        d["rpc"] = list(self.rpc)
+        d["tensor_split"] = None if self.tensor_split is None else list(self.tensor_split)
         return d
 
 

@@ -84,6 +84,7 @@ from toy.engine import speculative as spec
 from toy.engine.decoding import DecodeState, reuse_prefix
 from toy.engine.prefix import BLOCK
 from toy.engine.sampling import SamplingParams, log_softmax, top_logprobs
+from toy.engine.split import RemoteDeviceError
 from toy.errors import BadInputError, ToyError
 
 log = logging.getLogger("toy_serve")
@@ -163,6 +164,8 @@ class EngineWorker:
         draft_max: int | None = None,
     ):
         self.model, self.engine = model, model.engine
+        # called (on this thread) when a remote device of a split model fails (Server.remote_failed)
+        self.on_remote_failure: Callable[[BaseException], None] | None = None
         self.n_slot = self.engine.n_slot
         self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
         self.metrics = metrics
@@ -308,11 +311,15 @@ class EngineWorker:
                 self._step()
             except Exception as e:  # an engine failure must not kill the worker: fail the jobs in flight
                 log.exception("engine step failed")
+                if isinstance(e, RemoteDeviceError):  # a split model's remote host: name it, and say so on /health
+                    why = f"{e} ({e.hint})" if e.hint else str(e)
+                    if self.on_remote_failure is not None:
+                        self.on_remote_failure(e)
+                else:
+                    why = f"internal error: the engine step failed ({type(e).__name__}; see the server log)"
                 for i, j in enumerate(self._slots):
                     if j is not None:
-                        self._fail(
-                            j, f"internal error: the engine step failed ({type(e).__name__}; see the server log)"
-                        )
+                        self._fail(j, why)
                         self._slots[i] = None
                         self.engine.cache.clear(i)
         with self._cv:

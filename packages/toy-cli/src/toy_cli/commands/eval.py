@@ -14,6 +14,11 @@ many windows and that no figure was recorded (the bundle's ``run_end`` says
 folder toy can write into: ``toy.runs.folder.check_output_dir``), so a
 ``--runs-dir`` that is a file or read-only fails at once with exit 2, before
 a model is loaded.
+
+``logprobs`` and ``perplexity`` take ``--rpc HOST:PORT[,...]`` (and
+``--tensor-split``): the model's layers are split between this machine and
+those ``toy rpc-server``s (``toy.engine.split``), with the one-host figures
+when every device runs toy's CPU kernels.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Annotated, Any
 import typer
 
 from toy_cli.ui import Batch, CLIError, Device, JsonReport, Progress, RunsDir, Threads, cli_errors
+from toy_cli.ui.options import Rpc, TensorSplit
 
 eval_app = typer.Typer(
     help="Evaluate models: logprobs, perplexity, compare two models, linear mode connectivity, the logit lens, CKA."
@@ -120,10 +126,15 @@ def _check_runs_dir(runs_dir: Path | None) -> None:
     check_output_dir(resolve(runs_dir), "--runs-dir" if runs_dir is not None else "runs folder")
 
 
-def _load(model: str, n_ctx: int | None, batch: int, device, threads):
+def _load(model: str, n_ctx: int | None, batch: int, device, threads, rpc=None, tensor_split=None):
     import toy
 
-    return toy.load(model, n_ctx=n_ctx, n_batch=batch, device=device, threads=threads)
+    m = toy.load(
+        model, n_ctx=n_ctx, n_batch=batch, device=device, threads=threads, rpc=rpc or (), tensor_split=tensor_split
+    )
+    if m.placement.split:
+        typer.echo(f"{m.path.name}: {m.describe()}", err=True)
+    return m
 
 
 def _finish(writer, as_json: bool, payload: dict) -> None:
@@ -142,6 +153,8 @@ def logprobs_cmd(
     top: Annotated[int, typer.Option("--top", "-k", help="Alternatives shown per position.")] = 5,
     device: Device = None,
     threads: Threads = None,
+    rpc: Rpc = None,
+    tensor_split: TensorSplit = None,
     as_json: JsonReport = False,
     runs_dir: RunsDir = None,
 ) -> None:
@@ -157,7 +170,7 @@ def logprobs_cmd(
         else:
             assert text is not None  # one of the two (checked above)
             body = sys.stdin.read() if text == "-" else text
-        with _load(model, None, 512, device, threads) as m:
+        with _load(model, None, 512, device, threads, rpc, tensor_split) as m:
             cfg = {"model": str(m.path), "file": str(file) if file else None, "top": top}
             with E.eval_run("logprobs", cfg, runs_dir, model=E.record.model_info(m)) as w:
                 res = E.logprobs(m, body, top_k=top)
@@ -195,6 +208,8 @@ def perplexity_cmd(
     max_chunks: MaxChunks = None,
     device: Device = None,
     threads: Threads = None,
+    rpc: Rpc = None,
+    tensor_split: TensorSplit = None,
     as_json: JsonReport = False,
     runs_dir: RunsDir = None,
 ) -> None:
@@ -204,7 +219,7 @@ def perplexity_cmd(
     t0 = time.monotonic()
     with _on_interrupt(bar), cli_errors():
         w, res, ids, whole = _perplexity(model, file, context, batch, stride, max_chunks, device, threads,
-                                         runs_dir, bar)  # fmt: skip
+                                         runs_dir, bar, rpc, tensor_split)  # fmt: skip
     secs = time.monotonic() - t0
     if as_json:
         return _finish(w, True, {**res.to_dict(), "seconds": round(secs, 3)})
@@ -216,13 +231,14 @@ def perplexity_cmd(
     _finish(w, False, {})
 
 
-def _perplexity(model, file, context, batch, stride, max_chunks, device, threads, runs_dir, bar):
+def _perplexity(model, file, context, batch, stride, max_chunks, device, threads, runs_dir, bar, rpc=None,
+                tensor_split=None):  # fmt: skip
     """perplexity_cmd's work: (the run writer, the result, the ids, whether they are the whole text)."""
     import toy.eval as E
 
     _check_runs_dir(runs_dir)
     E.check_eval_path(file)
-    with _load(model, context, batch, device, threads) as m:
+    with _load(model, context, batch, device, threads, rpc, tensor_split) as m:
         ids, whole = E.read_eval_ids(m.tokenizer, file, E.tokens_needed(context, stride, max_chunks))
         cfg = {"model": str(m.path), "file": str(file), "context": context, "stride": stride,
                "max_chunks": max_chunks, "batch": batch}  # fmt: skip

@@ -24,6 +24,13 @@ accepted drafts.
 at inference (``toy.load(..., lora=...)``; several stack). A missing file, a
 scale that is not a number, or an adapter that does not fit the model exits 2
 with ``error:`` and a hint, before anything is generated.
+
+``--rpc HOST:PORT[,...]`` (both commands) splits the model's layers between
+this machine and the ``toy rpc-server``s named (``--tensor-split`` sets the
+shares); a line on stderr says where the layers went, and ``--json`` gives
+it as ``placement``. An endpoint that cannot be used exits 1 before
+anything is generated, and one lost mid-reply exits 1 with one ``error:``
+line naming it (the text so far stays on stdout).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from toy_cli.ui import (
     fetch_if_missing,
     parse_lora_options,
 )
+from toy_cli.ui.options import Rpc, TensorSplit
 
 # Options shared by infer and chat (typer reads them from the signatures).
 Temp = Annotated[float, typer.Option("--temperature", "--temp", help="0 = greedy.", rich_help_panel="Sampling")]
@@ -160,12 +168,12 @@ def _model(model: str | None, fallback: str | None) -> str:
     )
 
 
-def _load(model: str, device, threads, ctx, batch, flash_attn, kv_type, lora=None):
+def _load(model: str, device, threads, ctx, batch, flash_attn, kv_type, lora=None, rpc=None, tensor_split=None):
     import toy
 
     with cli_errors():
         fetch_if_missing(model)
-        return toy.load(
+        m = toy.load(
             model,
             device=device,
             threads=threads,
@@ -174,7 +182,12 @@ def _load(model: str, device, threads, ctx, batch, flash_attn, kv_type, lora=Non
             flash_attn=flash_attn,
             kv_type=kv_type,
             lora=lora or None,
+            rpc=rpc or (),
+            tensor_split=tensor_split,
         )
+    if m.placement.split:
+        typer.echo(f"{m.path.name}: {m.describe()}", err=True)
+    return m
 
 
 @contextmanager
@@ -339,6 +352,8 @@ def infer(
         int | None,
         typer.Option("--draft-max", metavar="K", help="Most draft tokens per step (default: ngram 8, draft 4)."),
     ] = None,
+    rpc: Rpc = None,
+    tensor_split: TensorSplit = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (ids, text, timings).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No timings on stderr.")] = False,
     trace: Annotated[
@@ -385,7 +400,7 @@ def infer(
         if draft_model is not None:
             spec["model"] = draft_model
     adapters = parse_lora_options(lora)
-    m = _load(_model(model, None), device, threads, ctx, batch, flash_attn, kv_type, adapters)
+    m = _load(_model(model, None), device, threads, ctx, batch, flash_attn, kv_type, adapters, rpc, tensor_split)
     try:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
         with cli_errors():
@@ -408,6 +423,8 @@ def infer(
             out = {"model": str(m.path), "prompt_ids": ids, **g.to_dict()}
             if m.adapters:
                 out["lora"] = [{"path": p, "scale": sc} for p, sc in m.adapters]
+            if m.placement.split:
+                out["placement"] = m.placement.to_dict()
             typer.echo(json.dumps(out, ensure_ascii=False))
         else:
             sys.stdout.write("\n")
@@ -456,6 +473,8 @@ def chat_cmd(
     flash_attn: Flash = False,
     kv_type: KvType = "f16",
     lora: Lora = None,
+    rpc: Rpc = None,
+    tensor_split: TensorSplit = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No timings after each reply.")] = False,
 ) -> None:
     """Chat with a model in the terminal. /reset starts over, /exit (or Ctrl-D) leaves,
@@ -477,7 +496,9 @@ def chat_cmd(
         logprobs=None,
     )
     adapters = parse_lora_options(lora)
-    m = _load(_model(model, DEFAULT_MODEL), device, threads, ctx, batch, flash_attn, kv_type, adapters)
+    m = _load(
+        _model(model, DEFAULT_MODEL), device, threads, ctx, batch, flash_attn, kv_type, adapters, rpc, tensor_split
+    )
     interactive = sys.stdin.isatty()
     try:
         session = m.chat(system=system, special_in_content=special_in_content)

@@ -34,6 +34,27 @@ Ctx = Annotated[
     int | None, typer.Option("--ctx", help="Context tokens per sequence (default: the model's, at most 4096).")
 ]
 Batch = Annotated[int, typer.Option("--batch", "-b", help="Tokens per forward pass (the prefill micro-batch).")]
+RPC_PANEL = "Split across hosts"
+Rpc = Annotated[
+    str | None,
+    typer.Option(
+        "--rpc",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="Add the devices of these `toy rpc-server`s: the layers are split between this machine and them "
+        "(unauthenticated: reach them over loopback, an SSH tunnel or a private network).",
+        rich_help_panel=RPC_PANEL,
+    ),
+]
+TensorSplit = Annotated[
+    str | None,
+    typer.Option(
+        "--tensor-split",
+        metavar="A,B[,...]",
+        help="The share of the layers of each device, this machine's first, then each --rpc device "
+        "(default: by free memory).",
+        rich_help_panel=RPC_PANEL,
+    ),
+]
 
 # -- output ------------------------------------------------------------------------
 

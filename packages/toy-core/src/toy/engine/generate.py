@@ -48,6 +48,13 @@ Decisions (written down because nobody else will):
   context, so any of them (start-up ones too) frees its memory alone, and
   gives bit for bit what it gives loaded at start-up. ``adapter_identity``
   names what K/V computed with one depend on (sha256 of the file, scale).
+- Split across hosts (``toy.load(rpc=["HOST:PORT", ...])``): each endpoint's
+  devices (``toy rpc-server``) join the runtime, and the layers go to the
+  local device and then to each remote in contiguous blocks
+  (``toy.engine.split``: by free memory, or ``tensor_split``). The tokens and
+  logits are the one-host run's, bit for bit, when every device runs toy's
+  CPU kernels. ``Model.placement`` / ``describe()`` say where the layers
+  went; a remote device that fails raises ``RemoteDeviceError``.
 """
 
 from __future__ import annotations
@@ -63,11 +70,12 @@ import numpy as np
 import toy_ggml
 from toy import models, store
 from toy.adapters import AdapterNameError, SelectableAdapter, load_lora, lora_items, named_items, read_selectable
-from toy.engine import constrain
+from toy.engine import constrain, split
 from toy.engine import speculative as spec
 from toy.engine.decoding import DecodeState, reuse_prefix
 from toy.engine.llm import ContextOverflowError, LLMEngine
 from toy.engine.sampling import SamplingParams, TokenLogprob
+from toy.engine.split import RemoteDeviceError
 from toy.errors import BadInputError
 from toy.gguf import GGUFFile, bind_tensors
 from toy.tokenizer import ChatTemplate, Tokenizer
@@ -149,8 +157,11 @@ class Model:
         lora_context: toy_ggml.Context | None = None,
         adapters: Sequence[tuple[str | None, float]] = (),
         named: Sequence[SelectableAdapter] = (),
+        placement: split.Placement | None = None,
     ):
         self.path, self.cfg, self.runtime, self.engine = path, cfg, runtime, engine
+        #: which device holds each layer (``toy.engine.split``; every layer local without ``rpc``)
+        self.placement = placement or split.Placement((runtime.backends[0],), (runtime.device,), (0,) * cfg.n_layer)
         self._gguf, self._weights = gguf, weights
         self.tokenizer = tokenizer
         self.chat_template = template
@@ -164,6 +175,11 @@ class Model:
         self._drafts: dict[str, Model] = {}
         #: measured seconds of this model's decode/verify steps by row count (the speculation controller's)
         self.step_costs = spec.StepCosts()
+
+    def describe(self) -> str:
+        """Where the layers run: "layers 0-29 CPU", or a split's blocks
+        ("layers 0-14 CPU, 15-29 RPC[10.0.0.2:50052]")."""
+        return self.placement.describe()
 
     @property
     def named_adapters(self) -> list[tuple[str, str | None, float]]:
@@ -602,6 +618,8 @@ def load(
     exact_batching: bool = False,
     lora=None,
     adapters=None,
+    rpc: str | Sequence[str] = (),
+    tensor_split: str | Sequence[float] | None = None,
 ) -> Model:
     """Open a GGUF model of any registered architecture for generation.
 
@@ -623,14 +641,30 @@ def load(
     ``adapters``: selectable LoRA adapters, ``{name: path or Adapter or
     (path, scale)}``; a generation uses the one it names
     (``generate(..., adapter=name)``; the server per request), and sequences
-    with different adapters batch together (see ``toy.engine.llm``)."""
+    with different adapters batch together (see ``toy.engine.llm``).
+    ``rpc``: remote devices, ``HOST:PORT`` endpoints of ``toy rpc-server``
+    (a list, or one comma-separated str); the layers are split between the
+    local device and them (``toy.engine.split``), by their free memory or by
+    ``tensor_split`` (one share per device, local first: ``[3, 1]`` or
+    "3,1"). ``RemoteDeviceError`` when an endpoint cannot be used."""
+    endpoints = split.parse_endpoints(rpc)
+    shares = split.parse_tensor_split(tensor_split)
     path = _resolve(model, fetch)
     if threads is not None and threads < 1:
         raise BadInputError(f"threads={threads} must be >= 1", field="threads")
     items = lora_items(lora)
     named = named_items(adapters)
+    remote = _connect(endpoints)
     n_threads, adaptive = toy_ggml.runtime_threads(threads)  # default: adapts to the machine's load
-    runtime = toy_ggml.Runtime(toy_ggml.resolve_device(device), threads=n_threads, adaptive=adaptive)
+    try:
+        runtime = toy_ggml.Runtime(
+            toy_ggml.resolve_device(device),
+            threads=n_threads,
+            adaptive=adaptive,
+            extra_devices=[d.name for _, d in remote],
+        )
+    except toy_ggml.GGMLError as e:
+        raise split.remote_failure(e, "loading the model") or e from None
     gf = lora_ctx = weights = None
     selectable: list[SelectableAdapter] = []
     try:
@@ -644,11 +678,12 @@ def load(
         if not 1 <= ctx <= limit:
             msg = f"n_ctx={ctx} must be between 1 and the model's context length {limit}"
             raise BadInputError(msg, field="n_ctx")
+        placement = _place(cfg.n_layer, runtime, remote, shares)
         lora_ctx, terms, applied = load_lora(items, gf, runtime)
         for n, src, sc in named:  # each in its own context, so that it can be unloaded alone
             selectable.append(read_selectable(n, src, sc, gf))
             selectable[-1].allocate(runtime)
-        weights = bind_tensors(gf, runtime)
+        weights = bind_tensors(gf, runtime, placement.device_of if placement.split else None)
         engine = LLMEngine(
             cfg,
             weights,
@@ -661,8 +696,9 @@ def load(
             exact_batching=exact_batching,
             lora=terms,
             adapters=[a.terms or {} for a in selectable],
+            layer_devices=[placement.devices[d] for d in placement.layers] if placement.split else None,
         )
-    except BaseException:
+    except BaseException as e:
         if lora_ctx is not None:
             lora_ctx.close()
         for a in selectable:
@@ -672,8 +708,62 @@ def load(
         if gf is not None:
             gf.close()
         runtime.close()
+        remote_err = split.remote_failure(e, "loading the model")
+        if remote_err is not None:
+            raise remote_err from None
         raise
-    return Model(Path(path), cfg, gf, weights, runtime, engine, tokenizer, template, lora_ctx, applied, selectable)
+    return Model(
+        Path(path), cfg, gf, weights, runtime, engine, tokenizer, template, lora_ctx, applied, selectable, placement
+    )
+
+
+def _connect(endpoints: Sequence[str]) -> list[tuple[str, Any]]:
+    """(endpoint, toy_ggml Device) of every device the ``toy rpc-server``s at ``endpoints`` serve, in order;
+    ``RemoteDeviceError`` naming the first endpoint that cannot be used."""
+    if not endpoints:
+        return []
+    if not toy_ggml.rpc_available():
+        raise BadInputError(
+            "this build of toy-ggml has no RPC backend",
+            hint="rebuild toy-ggml with ggml's RPC backend (its default build has it)",
+            field="rpc",
+        )
+    out: list[tuple[str, Any]] = []
+    for ep in endpoints:
+        try:
+            devs = toy_ggml.rpc_connect(ep)
+        except toy_ggml.GGMLError as e:
+            why = str(e) if ep in str(e) else f"RPC server {ep}: {e}"
+            raise RemoteDeviceError(
+                why,
+                hint=f"start `toy rpc-server` there (reachable from here, e.g. through an SSH tunnel) or drop {ep}",
+                endpoint=ep,
+            ) from None
+        out.extend((ep, d) for d in devs)
+    return out
+
+
+def _place(n_layer: int, runtime: toy_ggml.Runtime, remote: Sequence[tuple[str, Any]], shares) -> split.Placement:
+    """Where each layer goes: the runtime's primary device, then the remote devices in order
+    (``runtime.backends`` lists them right after the primary)."""
+    backends = runtime.backends
+    names = [backends[0], *backends[1 : 1 + len(remote)]]
+    per_host: dict[str, int] = {}
+    for ep, _ in remote:
+        per_host[ep] = per_host.get(ep, 0) + 1
+    labels, seen = [runtime.device], dict.fromkeys(per_host, 0)
+    for ep, _ in remote:
+        labels.append(f"RPC[{ep}]" if per_host[ep] == 1 else f"RPC[{ep}]#{seen[ep]}")
+        seen[ep] += 1
+    local = next((d for d in toy_ggml.devices() if d.name.lower() == runtime.device.lower()), None)
+    free = [local.memory_free if local is not None else 0, *(d.memory_free for _, d in remote)]
+    if shares is not None and len(shares) != len(names):
+        raise BadInputError(
+            f"the tensor split has {len(shares)} numbers for {len(names)} devices ({', '.join(labels)})",
+            hint="give one share per device: the local one first, then each --rpc device in order",
+            field="tensor_split",
+        )
+    return split.plan(n_layer, names, labels, free, shares)
 
 
 __all__ = ["Chat", "Generation", "Model", "Stream", "load"]

@@ -30,6 +30,11 @@ Decisions:
   so bytes copied into another slot are what a prefill there would write.
   CPU only: on a device they raise ``BadInputError``. A Q8_0 row is whole
   blocks of 32 values, so a position's row is still contiguous bytes.
+- A model split across devices (``toy.engine.split``) keeps each layer's K
+  and V on the device of that layer's weights (``layer_devices``): the local
+  layers as above, each other device's in a context allocated there and
+  zeroed once. ``device`` then names them all ("CPU+RPC0[10.0.0.2:50052]"), and ``read`` /
+  ``write`` refuse, as on any device.
 """
 
 from __future__ import annotations
@@ -63,7 +68,16 @@ class KVCache:
     """K and V tensors for every layer, for ``n_slot`` sequences of up to
     ``n_ctx`` tokens each, allocated on ``runtime``'s device."""
 
-    def __init__(self, cfg, runtime: toy_ggml.Runtime, n_ctx: int, n_slot: int = 1, kv_type="f16", v_trans=True):
+    def __init__(
+        self,
+        cfg,
+        runtime: toy_ggml.Runtime,
+        n_ctx: int,
+        n_slot: int = 1,
+        kv_type="f16",
+        v_trans=True,
+        layer_devices=None,
+    ):
         if n_ctx < 1 or n_slot < 1:
             raise BadInputError(f"KV cache needs n_ctx >= 1 and n_slot >= 1 (got n_ctx={n_ctx}, n_slot={n_slot})")
         self.kv_type = kv_type_of(kv_type)
@@ -76,13 +90,40 @@ class KVCache:
         self.width = cfg.n_head_kv * cfg.head_dim
         if self.kv_type == toy_ggml.GGMLType.Q8_0 and cfg.head_dim % 32:
             raise BadInputError(f"a Q8_0 KV cache needs a head size that is a multiple of 32 (got {cfg.head_dim})")
-        self._ctx = toy_ggml.Context(max_tensors=2 * cfg.n_layer + 2)
+        # each layer's device (a backend name of ``runtime``; None: the primary one)
+        primary = runtime.backends[0]
+        devs = [
+            primary if layer_devices is None or layer_devices[i] is None else layer_devices[i]
+            for i in range(cfg.n_layer)
+        ]
+        ctxs: dict[str, toy_ggml.Context] = {}
+        for d in [primary, *devs]:
+            if d not in ctxs:
+                ctxs[d] = toy_ggml.Context(max_tensors=2 * cfg.n_layer + 2)
+        self._ctx = ctxs.pop(primary)
+        self._remote = ctxs  # the other devices' contexts, by backend name
         k_shape = (n_slot, n_ctx, self.width)
         v_shape = (n_slot, self.width, n_ctx) if v_trans else k_shape
-        self.k = [self._ctx.tensor(self.kv_type, k_shape, name=f"cache_k_l{i}") for i in range(cfg.n_layer)]
-        self.v = [self._ctx.tensor(self.kv_type, v_shape, name=f"cache_v_l{i}") for i in range(cfg.n_layer)]
-        tensors = self.k + self.v
-        if runtime.device == "CPU":
+        self.k, self.v = [], []
+        for i, d in enumerate(devs):
+            ctx = self._ctx if d == primary else self._remote[d]
+            self.k.append(ctx.tensor(self.kv_type, k_shape, name=f"cache_k_l{i}"))
+            self.v.append(ctx.tensor(self.kv_type, v_shape, name=f"cache_v_l{i}"))
+        try:
+            for d, ctx in self._remote.items():
+                ctx.allocate(runtime, device=d)
+                zeros = None
+                for i in range(cfg.n_layer):
+                    if devs[i] == d:
+                        zeros = zeros or bytes(self.k[i].nbytes)
+                        self.k[i].set_raw(zeros)
+                        self.v[i].set_raw(zeros)  # K and V hold as many values (v_trans only transposes)
+        except BaseException:
+            self.close()
+            raise
+        local = [i for i in range(cfg.n_layer) if devs[i] == primary]
+        tensors = [self.k[i] for i in local] + [self.v[i] for i in local]
+        if tensors and runtime.device == "CPU":
             # an anonymous private mapping: the OS hands out pages of zeros when they
             # are first touched, so creating the cache makes no pass over it and
             # positions a sequence never reaches take no memory. Small pages: a huge
@@ -101,19 +142,19 @@ class KVCache:
             for t, off in zip(tensors, offsets):
                 t.bind(buf, off)
             buf.close()  # the context owns it now (and, through it, ``mem``)
-            # byte views of each layer's K and V over the same memory (``read``/``write``)
-            es = self.k[0].nbytes // (n_slot * n_ctx * self.width)  # bytes per value (F16, F32; not Q8_0)
-            vb_shape = (n_slot, self.width, n_ctx, es) if v_trans else (n_slot, n_ctx, -1)
-            self._kb = [self._bytes_view(mem, off, t, (n_slot, n_ctx, -1)) for t, off in zip(self.k, offsets)]
-            self._vb = [self._bytes_view(mem, off, t, vb_shape) for t, off in zip(self.v, offsets[cfg.n_layer :])]
-        else:
+            if not self._remote:  # byte views of each layer's K and V over the same memory (``read``/``write``)
+                es = self.k[0].nbytes // (n_slot * n_ctx * self.width)  # bytes per value (F16, F32; not Q8_0)
+                vb_shape = (n_slot, self.width, n_ctx, es) if v_trans else (n_slot, n_ctx, -1)
+                self._kb = [self._bytes_view(mem, off, t, (n_slot, n_ctx, -1)) for t, off in zip(self.k, offsets)]
+                self._vb = [self._bytes_view(mem, off, t, vb_shape) for t, off in zip(self.v, offsets[cfg.n_layer :])]
+        elif tensors:
             self._ctx.allocate(runtime)
             zeros = None
             for t in tensors:
                 zeros = zeros or bytes(t.nbytes)
                 t.set_raw(zeros)
         self._tokens: list[list[int]] = [[] for _ in range(n_slot)]
-        self.device = runtime.device
+        self.device = "+".join([runtime.device, *self._remote])  # "CPU", or a split's devices: "CPU+RPC[...]"
 
     @staticmethod
     def _bytes_view(mem, offset: int, t, shape) -> np.ndarray:
@@ -177,6 +218,12 @@ class KVCache:
         return 2 * self.cfg.n_layer * self.row_bytes
 
     def _host(self, what: str) -> None:
+        if self._remote:
+            raise BadInputError(
+                f"{what} needs the KV cache in local memory (this one is split: {self.device})",
+                hint="the prefix cache and slot files need every layer local: run without --rpc, "
+                "or turn the prefix cache off (--cache-ram 0)",
+            )
         if self.device != "CPU":
             raise BadInputError(
                 f"{what} needs the KV cache in CPU memory (this one is on {self.device})",
@@ -230,6 +277,9 @@ class KVCache:
         self._tokens[slot].extend(ids)
 
     def close(self) -> None:
+        for ctx in self._remote.values():
+            ctx.close()
+        self._remote.clear()
         self._ctx.close()
 
 

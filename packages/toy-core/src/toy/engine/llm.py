@@ -74,6 +74,13 @@ is correct, only masked. ``arch.attention_softcap`` caps a layer's scores
 before the mask (``toy.models.common.soft_capped``; ``flash_attn_ext``'s
 ``logit_softcap`` with flash attention).
 
+A model split across devices (``toy.engine.split``): ``layer_devices``
+names each layer's device, where its weights already are (``toy.load``
+binds them) and where the engine puts its K/V; ggml's scheduler then runs
+each layer's ops there and moves only the activations between devices. A
+remote device that fails a compute raises ``RemoteDeviceError`` naming its
+endpoint; the engine is then unusable (a dead connection stays dead).
+
 Graphs are cached by their shape key (LRU, ``max_graphs``): a decode step
 whose sequences keep their slots and padded lengths reuses the previous
 graph. Exceeding a slot's context raises ``ContextOverflowError`` before any
@@ -94,6 +101,7 @@ import numpy as np
 import toy_ggml
 from toy import models
 from toy.engine.kv import KVCache
+from toy.engine.split import remote_failure
 from toy.errors import BadInputError
 from toy.models.common import attention, padded_length, position_mask, soft_capped
 
@@ -155,6 +163,7 @@ class LLMEngine:
         exact_batching: bool = False,
         lora: dict | None = None,
         adapters: Sequence[dict] | None = None,
+        layer_devices: Sequence[str | None] | None = None,
     ):
         if n_batch < 1:
             raise BadInputError(f"n_batch={n_batch} must be >= 1", field="n_batch")
@@ -164,7 +173,9 @@ class LLMEngine:
         self.windows = self.arch.windows(cfg)
         self._win = [self.windows.index(self.arch.sliding_window(cfg, i)) for i in range(cfg.n_layer)]
         self.flash_attn = bool(flash_attn)
-        self.cache = KVCache(cfg, runtime, n_ctx, n_slot, kv_type, v_trans=not self.flash_attn)
+        self.cache = KVCache(
+            cfg, runtime, n_ctx, n_slot, kv_type, v_trans=not self.flash_attn, layer_devices=layer_devices
+        )
         self.n_ctx, self.n_slot, self.n_batch = n_ctx, n_slot, n_batch
         self.kv_pad = kv_pad or (256 if self.flash_attn else 32)
         if not self.flash_attn:  # see the module docstring: batch invariance of the V sums
@@ -501,10 +512,16 @@ class LLMEngine:
                 f[f"lsel{j}"].set((chosen == j).astype(np.float32).reshape(-1, 1))
                 if f"lsel{j}.out" in f:
                     f[f"lsel{j}.out"].set((chosen[out_idx] == j).astype(np.float32).reshape(-1, 1))
-        if self._profile is None:
-            self.runtime.compute(g.graph)
-        else:  # toy.trace.trace_decode_step: every node timed, the same kernels
-            self._profile.append((g.graph, self.runtime.compute(g.graph, profile=True)))
+        try:
+            if self._profile is None:
+                self.runtime.compute(g.graph)
+            else:  # toy.trace.trace_decode_step: every node timed, the same kernels
+                self._profile.append((g.graph, self.runtime.compute(g.graph, profile=True)))
+        except toy_ggml.GGMLError as e:
+            remote = remote_failure(e, "a forward pass")
+            if remote is None:
+                raise
+            raise remote from e
         g.uses += 1
         self.stats.computes += 1
         return g.out.numpy()
