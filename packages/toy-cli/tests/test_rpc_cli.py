@@ -24,16 +24,13 @@ import os
 import signal
 import socket
 import subprocess
-import sys
-import threading
 import time
 
 import pytest
 
 from toy_testsupport.cli_helpers import assert_clean_error, run
+from toy_testsupport.rpc import TOY, PipeReader, start_rpc_server, stop
 
-TOY = [sys.executable, "-m", "toy_cli"]
-SERVER_START = 60.0  # seconds a toy rpc-server may take to accept connections
 KILL_BOUND = 60.0  # seconds `toy infer` may take to fail once its server is gone
 PROMPT = "Write a long story about a lighthouse keeper."
 
@@ -49,32 +46,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def start_server(tmp_path, port: int, *extra: str) -> subprocess.Popen:
-    """``toy rpc-server`` on 127.0.0.1:port (one thread), once its ready line is out."""
-    log = tmp_path / f"rpc-{port}.log"
-    with open(log, "w") as f:
-        p = subprocess.Popen(
-            [*TOY, "rpc-server", "--port", str(port), "--threads", "1", *extra],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    deadline = time.monotonic() + SERVER_START
-    while "toy rpc-server: serving CPU on 127.0.0.1" not in log.read_text():
-        if p.poll() is not None or time.monotonic() > deadline:
-            stop(p)
-            pytest.fail(f"toy rpc-server did not start: {log.read_text()[-2000:]}")
-        time.sleep(0.1)
-    return p
-
-
-def stop(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        os.killpg(p.pid, signal.SIGKILL)
-    p.wait(timeout=10)
 
 
 # ---------------------------------------------------------------- rpc-server's refusals
@@ -108,7 +79,7 @@ def test_rpc_server_port_taken_exits_1(capsys):
 
 def test_rpc_server_serves_loopback_and_ends_on_sigterm(tmp_path):
     port = _free_port()
-    p = start_server(tmp_path, port, "--allow-remote")
+    p = start_rpc_server(tmp_path, port, "--allow-remote")
     try:
         log = (tmp_path / f"rpc-{port}.log").read_text()
         assert f"toy rpc-server: serving CPU on 127.0.0.1:{port} (1 threads)" in log
@@ -165,7 +136,7 @@ def _infer_json(capsys, path, *extra):
 def test_infer_split_equals_one_host(capsys, smollm2_path, tmp_path):
     one, _ = _infer_json(capsys, smollm2_path, "-q")
     port = _free_port()
-    p = start_server(tmp_path, port)
+    p = start_rpc_server(tmp_path, port)
     try:
         two, err = _infer_json(capsys, smollm2_path, "--rpc", f"127.0.0.1:{port}", "--tensor-split", "1,1")
     finally:
@@ -184,30 +155,15 @@ def test_infer_split_equals_one_host(capsys, smollm2_path, tmp_path):
     assert two == one  # text, logprobs (every top-3 alternative's value) and the rest, exactly
 
 
-class _Reader(threading.Thread):
-    """Collects a pipe's text as it comes (the test waits on it with a bound)."""
-
-    def __init__(self, pipe):
-        super().__init__(daemon=True)
-        self.pipe, self.text = pipe, ""
-
-    def run(self) -> None:
-        while True:
-            chunk = self.pipe.read(1)
-            if not chunk:
-                return
-            self.text += chunk
-
-
 @pytest.mark.model
 @pytest.mark.slow
 def test_server_killed_mid_reply_is_one_error_line(smollm2_path, tmp_path):
     port = _free_port()
-    server = start_server(tmp_path, port)
+    server = start_rpc_server(tmp_path, port)
     argv = [*TOY, "infer", str(smollm2_path), PROMPT, "--greedy", "--ignore-eos", "-n", "3000", "--ctx", "4096"]
     argv += ["--rpc", f"127.0.0.1:{port}"]
     client = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    out, err = _Reader(client.stdout), _Reader(client.stderr)
+    out, err = PipeReader(client.stdout), PipeReader(client.stderr)
     out.start()
     err.start()
     try:
@@ -268,7 +224,7 @@ def test_serve_split_answers_as_one_host_and_survives_a_lost_server(smollm2_path
     with toy.load(smollm2_path, device="cpu", threads=1, n_ctx=256, exact_batching=True) as m:  # the server's
         want = m.generate("The three primary colors are", temperature=0, max_tokens=16, ignore_eos=True).text
     rpc_port, port = _free_port(), _free_port()
-    server = start_server(tmp_path, rpc_port)
+    server = start_rpc_server(tmp_path, rpc_port)
     argv = [*TOY, "serve", str(smollm2_path), "--port", str(port), "--ctx", "256", "--parallel", "1"]
     argv += ["--runs-dir", str(tmp_path / "runs"), "--rpc", f"127.0.0.1:{rpc_port}"]
     with open(tmp_path / "serve.log", "w") as log:

@@ -18,13 +18,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from toy_testsupport.netns import Hosts, NetnsUnavailable, hosts, why_unavailable
+from toy_testsupport.rpc import PipeReader
 
 TOY = [sys.executable, "-m", "toy_cli"]
 ENV = {"TOY_DEVICE": "cpu", "TOY_THREADS": "1", "TOY_RPC_TIMEOUT": "20"}
@@ -99,19 +99,6 @@ def test_split_across_hosts_equals_one_host(hosts2, smollm2_path, tmp_path):
     assert server.poll() is None  # the server outlives its client
 
 
-class _Reader(threading.Thread):
-    def __init__(self, pipe):
-        super().__init__(daemon=True)
-        self.pipe, self.text = pipe, ""
-
-    def run(self) -> None:
-        while True:
-            chunk = self.pipe.read(1)
-            if not chunk:
-                return
-            self.text += chunk
-
-
 @pytest.mark.model
 @pytest.mark.slow
 def test_server_killed_mid_generation_is_a_clean_error(hosts2, smollm2_path, tmp_path):
@@ -120,7 +107,7 @@ def test_server_killed_mid_generation_is_a_clean_error(hosts2, smollm2_path, tmp
     endpoint = f"{h.addresses[1]}:{PORT}"
     argv = [*TOY, "infer", str(smollm2_path), PROMPT, "--greedy", "--ignore-eos", "-n", "3000", "--ctx", "4096"]
     client = h.popen(0, [*argv, "--rpc", endpoint], env=ENV)
-    out, err = _Reader(client.stdout), _Reader(client.stderr)
+    out, err = PipeReader(client.stdout), PipeReader(client.stderr)
     out.start()
     err.start()
     try:

@@ -13,11 +13,7 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -25,6 +21,7 @@ import pytest
 
 from toy.engine import split
 from toy.errors import BadInputError
+from toy_testsupport.rpc import start_rpc_server, stop
 
 # ---------------------------------------------------------------- the plan
 
@@ -132,7 +129,6 @@ def test_tensor_split_parse_and_refuse():
 
 # ---------------------------------------------------------------- SmolLM2 over loopback
 
-SERVER_START = 60.0  # seconds a toy rpc-server may take to accept connections
 PROMPT = "The three primary colors are"
 
 
@@ -142,39 +138,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(tmp_path, port: int) -> subprocess.Popen:
-    """``toy rpc-server`` on 127.0.0.1:port (one thread), once its ready line is out."""
-    log = tmp_path / f"rpc-{port}.log"
-    with open(log, "w") as f:
-        p = subprocess.Popen(
-            [sys.executable, "-m", "toy_cli", "rpc-server", "--port", str(port), "--threads", "1"],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    deadline = time.monotonic() + SERVER_START
-    while "toy rpc-server: serving CPU on 127.0.0.1" not in log.read_text():
-        if p.poll() is not None or time.monotonic() > deadline:
-            _stop(p)
-            pytest.fail(f"toy rpc-server did not start: {log.read_text()[-2000:]}")
-        time.sleep(0.1)
-    return p
-
-
-def _stop(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        os.killpg(p.pid, signal.SIGKILL)
-    p.wait(timeout=10)
-
-
 @pytest.fixture
 def rpc_server(tmp_path):
-    p = _start_server(tmp_path, _free_port())
+    p = start_rpc_server(tmp_path, _free_port())
     try:
         yield p, f"127.0.0.1:{p.args[p.args.index('--port') + 1]}"
     finally:
-        _stop(p)
+        stop(p)
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +199,7 @@ def test_server_killed_between_requests_is_a_clean_error(smollm2_path, rpc_serve
     with toy.load(smollm2_path, device="cpu", threads=1, n_ctx=128, rpc=[endpoint]) as m:
         ids = m.prompt_ids(PROMPT)
         m.generate(ids, temperature=0, max_tokens=2)
-        _stop(proc)
+        stop(proc)
         t0 = time.monotonic()
         with pytest.raises(split.RemoteDeviceError) as e:
             m.generate(ids, temperature=0, max_tokens=8)
