@@ -9,8 +9,8 @@ so ``pip install toy-ggml-<v>.tar.gz`` builds with no network beyond the
 package index (for its build requirements).
 
 Only what toy-ggml's backends build from is copied: the CMake files, the
-headers, the core sources and the CPU, CUDA and Metal backends (with the
-stamp that names the source and the patch set); the other backends'
+headers, the core sources and the CPU, RPC, CUDA and Metal backends (with
+the stamp that names the source and the patch set); the other backends'
 folders (Vulkan, SYCL, OpenCL, ...) are left out, which ggml's CMake never
 reads unless they are enabled.
 """
@@ -22,7 +22,7 @@ import shutil
 import sys
 from pathlib import Path
 
-KEEP_BACKENDS = {"ggml-cpu", "ggml-cuda", "ggml-metal"}
+KEEP_BACKENDS = {"ggml-cpu", "ggml-cuda", "ggml-metal", "ggml-rpc"}
 
 
 def main() -> int:
