@@ -193,7 +193,10 @@ SHARED = {
     "--batch": (ui.Batch,),
     "--runs-dir": (ui.RunsDir,),
 }
-OWN = {("merge", "--threads"): "no -t: merge's -t is --type"}
+OWN = {
+    ("merge", "--threads"): "no -t: merge's -t is --type",
+    ("rpc-server", "--threads"): "a fixed count: the server computes for remote clients, never adapts to the load",
+}
 
 
 def test_no_command_declares_a_shared_flag_again():

@@ -56,7 +56,9 @@ from toy_cli.ui import (
     CLIError,
     Ctx,
     Device,
+    Rpc,
     RunsDir,
+    TensorSplit,
     Threads,
     as_cli_error,
     bad_input,
@@ -64,7 +66,6 @@ from toy_cli.ui import (
     fetch_if_missing,
     parse_lora_options,
 )
-from toy_cli.ui.options import Rpc, TensorSplit
 
 # kept equal to toy_serve.settings (importing it here would import toy for every `toy` command)
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000

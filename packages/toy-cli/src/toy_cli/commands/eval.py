@@ -33,8 +33,7 @@ from typing import Annotated, Any
 
 import typer
 
-from toy_cli.ui import Batch, CLIError, Device, JsonReport, Progress, RunsDir, Threads, cli_errors
-from toy_cli.ui.options import Rpc, TensorSplit
+from toy_cli.ui import Batch, CLIError, Device, JsonReport, Progress, Rpc, RunsDir, TensorSplit, Threads, cli_errors
 
 eval_app = typer.Typer(
     help="Evaluate models: logprobs, perplexity, compare two models, linear mode connectivity, the logit lens, CKA."

@@ -51,12 +51,13 @@ from toy_cli.ui import (
     CLIError,
     Ctx,
     Device,
+    Rpc,
+    TensorSplit,
     Threads,
     cli_errors,
     fetch_if_missing,
     parse_lora_options,
 )
-from toy_cli.ui.options import Rpc, TensorSplit
 
 # Options shared by infer and chat (typer reads them from the signatures).
 Temp = Annotated[float, typer.Option("--temperature", "--temp", help="0 = greedy.", rich_help_panel="Sampling")]
