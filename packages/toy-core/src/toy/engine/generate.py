@@ -160,8 +160,7 @@ class Model:
         placement: split.Placement | None = None,
     ):
         self.path, self.cfg, self.runtime, self.engine = path, cfg, runtime, engine
-        #: which device holds each layer (``toy.engine.split``; every layer local without ``rpc``)
-        self.placement = placement or split.Placement((runtime.backends[0],), (runtime.device,), (0,) * cfg.n_layer)
+        self._placement = placement
         self._gguf, self._weights = gguf, weights
         self.tokenizer = tokenizer
         self.chat_template = template
@@ -175,6 +174,16 @@ class Model:
         self._drafts: dict[str, Model] = {}
         #: measured seconds of this model's decode/verify steps by row count (the speculation controller's)
         self.step_costs = spec.StepCosts()
+
+    @property
+    def placement(self) -> split.Placement:
+        """Which device holds each layer (``toy.engine.split``; every layer on the runtime's device without
+        ``rpc``)."""
+        if self._placement is None:
+            self._placement = split.Placement(
+                (self.runtime.backends[0],), (self.runtime.device,), (0,) * self.cfg.n_layer
+            )
+        return self._placement
 
     def describe(self) -> str:
         """Where the layers run: "layers 0-29 CPU", or a split's blocks
