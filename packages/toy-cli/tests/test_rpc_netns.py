@@ -19,11 +19,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 
-from toy_testsupport.netns import Hosts, NetnsUnavailable, hosts, why_unavailable
+from toy_testsupport.netns import Hosts, hosts_fixture
 from toy_testsupport.rpc import PipeReader
 
 TOY = [sys.executable, "-m", "toy_cli"]
@@ -35,16 +34,7 @@ RUN_BOUND = 240.0  # seconds one `toy infer` may take
 PROMPT = "Write a long story about a lighthouse keeper."
 
 
-@pytest.fixture
-def hosts2() -> Iterator[Hosts]:
-    why = why_unavailable()
-    if why:
-        pytest.skip(why)
-    try:
-        with hosts(2) as h:
-            yield h
-    except NetnsUnavailable as e:  # `ip netns add` refused (a container without the right)
-        pytest.skip(str(e))
+hosts2 = hosts_fixture(2, mpi=False)
 
 
 def _server(h: Hosts, tmp_path, *extra: str) -> tuple[subprocess.Popen, str]:

@@ -376,10 +376,11 @@ def hosts(n: int, *, connect_timeout: float = 3.0) -> Iterator[Hosts]:
         h._teardown()
 
 
-def hosts_fixture(n: int, name: str | None = None) -> Any:
+def hosts_fixture(n: int, name: str | None = None, *, mpi: bool = True) -> Any:
     """A pytest fixture (function scope) named ``name`` (default ``hosts<n>``) giving ``hosts(n)``;
-    skips, with the reason, where namespaces cannot be made (not root, no ``ip``) or no
-    ``mpiexec`` is installed. Assign it to a module attribute of the same name."""
+    skips, with the reason, where namespaces cannot be made (not root, no ``ip``). ``mpi``: the
+    hosts run MPI, so a missing ``mpiexec`` fails the test (tests that start their own processes
+    with ``Hosts.popen`` pass False). Assign it to a module attribute of the same name."""
     import pytest
 
     @pytest.fixture(name=name or f"hosts{n}")
@@ -387,7 +388,8 @@ def hosts_fixture(n: int, name: str | None = None) -> Any:
         why = why_unavailable()
         if why:
             pytest.skip(why)
-        find_mpiexec()  # requirements/dev.txt installs MPICH: a missing mpiexec is a failure, not a skip
+        if mpi:
+            find_mpiexec()  # requirements/dev.txt installs MPICH: a missing mpiexec is a failure, not a skip
         with ExitStack() as stack:
             try:
                 h = stack.enter_context(hosts(n))
