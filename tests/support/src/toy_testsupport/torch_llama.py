@@ -192,6 +192,25 @@ def loss_and_grads(
     return float(loss.detach()), out
 
 
+def objective_and_grads(params: Mapping[str, np.ndarray], cfg, tokens, pos, doc, targets, loss_mask, fn):
+    """``fn(lp)`` and its gradient with respect to every entry of ``params``,
+    where ``lp`` (B, T) is the float64 torch tensor of each position's target
+    log-probability (``log_softmax`` of the logits at the target), times
+    ``loss_mask``: a training objective on sequence log-probabilities
+    (``toy.train.objectives``) written out in torch by the caller."""
+    _load_torch()
+    w = _as_torch(params, grad=True)
+    tgt = _ints(targets, "targets")
+    mask = torch.from_numpy(np.array(loss_mask, np.float64, copy=True))
+    z = _forward(w, cfg, _ints(tokens, "tokens"), _ints(pos, "pos"), _ints(doc, "doc"))
+    lp = torch.log_softmax(z, dim=-1).gather(-1, tgt[..., None])[..., 0] * mask
+    loss = fn(lp)
+    names = list(w)
+    grads = torch.autograd.grad(loss, [w[n] for n in names], allow_unused=True)
+    out = {n: np.zeros(np.shape(params[n])) if g is None else g.numpy().copy() for n, g in zip(names, grads)}
+    return float(loss.detach()), out
+
+
 def adamw_step(
     params: Mapping[str, np.ndarray],
     grads: Mapping[str, np.ndarray],

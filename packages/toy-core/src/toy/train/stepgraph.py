@@ -71,8 +71,9 @@ over ranks, so the bits are those of another (fixed) order.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -82,6 +83,7 @@ import toy_ggml
 from toy import models
 from toy.models.common import block_causal_mask, causal_mask
 from toy.train.distributed import World, owners
+from toy.train.objectives import Objective, target_logps
 from toy.train.optim import OptimConfig, adamw_hparams
 
 F32 = toy_ggml.GGMLType.F32
@@ -220,6 +222,8 @@ class StepResult:
     comm_s: float = 0.0
     sent_bytes: int = 0
     rank_s: tuple[float, float] | None = None
+    # an objective's metrics of the step (``toy.train.objectives``: rewards, margins, accuracy ...)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class _Graph:
@@ -231,6 +235,7 @@ class _Graph:
         self.grad_sq: dict[str, toy_ggml.Tensor] = {}
         self.param_sq: dict[str, toy_ggml.Tensor] = {}
         self.taps: list[toy_ggml.Tensor] = []
+        self.outputs: dict[str, toy_ggml.Tensor] = {}  # an objective's outputs (its metrics read them)
 
 
 class TrainEngine:
@@ -253,6 +258,7 @@ class TrainEngine:
         accum: int = 1,
         label_smoothing: float = 0.0,
         world: World | None = None,
+        objective: Objective | None = None,
     ):
         if batch < 1 or context < 1 or accum < 1:
             raise ValueError(f"batch={batch}, context={context}, accum={accum} out of range")
@@ -262,6 +268,14 @@ class TrainEngine:
         self.batch, self.context, self.accum = batch, context, accum
         self.label_smoothing = float(label_smoothing)
         self.feed: Feed = getattr(model, "feed", None) or TokenFeed()
+        self.objective = objective
+        if objective is not None:
+            if not isinstance(self.feed, TokenFeed):
+                raise ValueError(f"the {objective.name} objective trains language models (a token feed)")
+            if self.label_smoothing:
+                raise ValueError(f"label smoothing does not apply to the {objective.name} objective")
+            if world is not None and world.distributed:
+                raise ValueError(f"the {objective.name} objective trains on one rank")
         self.specs = model.param_specs()
         self.n_vocab = model.n_vocab
         n = self.n_rows = self.feed.rows(batch, context)
@@ -284,7 +298,7 @@ class TrainEngine:
 
         # parameters, moments, accumulators and inputs: one allocated context
         n_state = len(self.specs) * (4 if accum > 1 or dist else 3)
-        self._state = toy_ggml.Context(max_tensors=n_state + 16)
+        self._state = toy_ggml.Context(max_tensors=n_state + 32)
         st = self._state
         self.params: dict[str, toy_ggml.Tensor] = {}
         self._m: dict[str, toy_ggml.Tensor] = {}
@@ -304,6 +318,8 @@ class TrainEngine:
         self._clip = st.tensor(F32, (1,), name="clip")
         self._eps = st.tensor(F32, (1,), name="clip_eps")
         self._factor = st.tensor(F32, (1,), name="clip_factor")  # several ranks: computed on the host
+        if objective is not None:
+            objective.make(st, batch, context)
         st.allocate(runtime)
         missing = [s.name for s in self.specs if s.name not in params]
         if missing:
@@ -387,14 +403,48 @@ class TrainEngine:
             out = _Graph(ops, g, taps[-1], None)
             out.taps = taps
             return out
+        if kind == "logps" or (self.objective is not None and kind != "eval"):
+            return self._build_objective(kind, ops, logits, taps, cap)
         ce = ops.cross_entropy_loss(logits, self._labels)
         if kind == "eval":
             loss = ops.mul(ce, self._loss_scale).set_output()
             g = toy_ggml.Graph(ops, size=cap * 4).build_forward(loss)
             return _Graph(ops, g, loss, None)
         loss = ops.mul(ce, self._loss_scale).set_loss().set_output()
+        return self._build_backward(kind, ops, loss, taps, watched, cap)
+
+    def _build_objective(self, kind: str, ops, logits, taps, cap: int) -> _Graph:
+        """The graphs of an objective (``toy.train.objectives``): ``logps``
+        (forward: the per-target log-probs), ``objective_eval`` (forward: the
+        loss and the objective's outputs) and the training kinds."""
+        inp = self.inputs
+        lp = target_logps(ops, logits, self._labels, inp.keep, inp.batch, inp.context)
+        if kind == "logps":
+            lp = lp.set_output()
+            g = toy_ggml.Graph(ops, size=cap * 4).build_forward(lp)
+            out = _Graph(ops, g, None, None)
+            out.outputs = {"token_logps": lp}
+            return out
+        assert self.objective is not None
+        loss, outputs = self.objective.loss(ops, lp)
+        outputs = {k: v.set_output() for k, v in outputs.items()}
+        if kind == "objective_eval":
+            loss = loss.set_output()
+            g = toy_ggml.Graph(ops, size=cap * 4).build_forward(loss, *outputs.values())
+            out = _Graph(ops, g, loss, None)
+            out.outputs = outputs
+            return out
+        loss = loss.set_loss().set_output()
+        watched = self.watch and kind in ("single", "last")
+        out = self._build_backward(kind, ops, loss, taps, watched, cap, outputs)
+        out.outputs = outputs
+        return out
+
+    def _build_backward(self, kind: str, ops, loss, taps, watched: bool, cap: int, outputs=None) -> _Graph:
+        """The training kinds' graph from the scalar loss: backward, then
+        the gradients copied, accumulated or applied (the module docstring)."""
         g = toy_ggml.Graph(ops, size=cap * 8, grads=True)
-        g.build_forward(loss, *(taps or []))
+        g.build_forward(loss, *(taps or []), *(outputs or {}).values())
         g.build_backward()
         seed = g.grad(loss)
         assert seed is not None  # build_backward gives the loss its gradient
@@ -464,6 +514,8 @@ class TrainEngine:
 
     def _upload(self, batch, scale: float, smooth: bool = True) -> None:
         self.feed.upload(self.inputs, batch)  # checks the batch's shape
+        if self.objective is not None:
+            self.objective.upload(batch)
         keep = np.asarray(batch.loss_mask, np.float32).reshape(-1)
         targets = np.asarray(batch.targets, np.int64).reshape(-1)
         n = self.n_rows
@@ -522,6 +574,8 @@ class TrainEngine:
             self._hp[d].set(np.array(adamw_hparams(self.optim, lr, self.step, d), np.float32))
         if self.world.distributed:
             return self._train_step_ranks(micro_batches, lr, scale, n_targets)
+        if self.objective is not None:
+            self.objective.begin_step(micro_batches)
         total = 0.0
         for i, b in enumerate(micro_batches):
             if self.accum == 1:
@@ -532,10 +586,12 @@ class TrainEngine:
             g = self._get(kind)
             self._before(i)
             total += self._run(g)
+            self._collect(g, b)
         norm = float(g.norm.numpy().reshape(-1)[0])
         self._last = g
         self.step += 1
-        return StepResult(loss=total, grad_norm=norm, lr=lr, n_targets=n_targets)
+        metrics = self.objective.metrics() if self.objective is not None else {}
+        return StepResult(loss=total, grad_norm=norm, lr=lr, n_targets=n_targets, metrics=metrics)
 
     def _train_step_ranks(self, micro_batches, lr: float, scale: float, n_targets: int) -> StepResult:
         """``train_step`` on several ranks (the module docstring)."""
@@ -646,6 +702,8 @@ class TrainEngine:
         n_targets = int(sum(int(np.count_nonzero(np.asarray(b.loss_mask))) for b in micro_batches))
         if n_targets == 0:
             raise ValueError("the micro-batches have no target token")
+        if self.objective is not None:
+            self.objective.begin_step(micro_batches)
         g = self._graphs.get("probe")
         if g is None:
             g = self._build("probe")
@@ -656,6 +714,7 @@ class TrainEngine:
             self._upload(b, self.n_rows / n_targets)
             self._before(i)
             total += self._run(g)
+            self._collect(g, b)
             for name, t in g.grads.items():
                 grads[name] = grads.get(name, 0.0) + t.numpy().astype(np.float64)
         return total, grads
@@ -717,6 +776,74 @@ class TrainEngine:
         g = self._get("taps")
         self._run(g)
         return [t.numpy().reshape(self.n_rows, -1).copy() for t in g.taps]
+
+    def _collect(self, g: _Graph, batch) -> None:
+        if self.objective is not None and g.outputs:
+            self.objective.collect({k: t.numpy().copy() for k, t in g.outputs.items()}, batch)
+
+    def token_logps(self, batch) -> np.ndarray:
+        """(B, T) float32: the log-probability of each position's target
+        under the current parameters, 0 where the batch's loss mask is 0
+        (a forward graph; nothing updated; ``toy.train.objectives``)."""
+        if not isinstance(self.feed, TokenFeed):
+            raise TypeError("token_logps: the model is not a language model (its feed is not TokenFeed)")
+        self.feed.upload(self.inputs, batch)
+        self._upload_labels(batch)
+        g = self._get("logps")
+        self._run(g)
+        return g.outputs["token_logps"].numpy().reshape(self.batch, self.context).copy()
+
+    def sequence_logps(self, batch) -> np.ndarray:
+        """(B,) float64: ``token_logps`` summed over each row (the
+        sequence log-probability of each row's loss tokens)."""
+        return self.token_logps(batch).astype(np.float64).sum(axis=1)
+
+    def evaluate_objective(self, batch) -> tuple[float, dict[str, float]]:
+        """(the objective's loss, its metrics) of one batch under the
+        current parameters, nothing updated (validation)."""
+        if self.objective is None:
+            raise ValueError("evaluate_objective: the engine has no objective")
+        self.objective.begin_step([batch])
+        self._upload(batch, float(self.n_rows), smooth=False)
+        g = self._get("objective_eval")
+        loss = self._run(g)
+        self._collect(g, batch)
+        return loss, self.objective.metrics()
+
+    @contextlib.contextmanager
+    def swapped(self, values: Mapping[str, np.ndarray]) -> Iterator[None]:
+        """Within the block the named parameters hold ``values`` (e.g. a
+        reference policy's: LoRA adapters with B = 0); afterwards they are
+        what they were, bit for bit."""
+        unknown = sorted(set(values) - set(self.params))
+        if unknown:
+            raise KeyError(f"swapped: no parameter {unknown[0]!r}")
+        saved = {k: self.params[k].numpy().copy() for k in values}
+        try:
+            for k, v in values.items():
+                self.params[k].set(np.asarray(v, np.float32))
+            yield
+        finally:
+            for k, v in saved.items():
+                self.params[k].set(v)
+
+    def _upload_labels(self, batch) -> None:
+        """The one-hot label rows of a token batch (no smoothing), without
+        the objective's inputs."""
+        keep = np.asarray(batch.loss_mask, np.float32).reshape(-1)
+        targets = np.asarray(batch.targets, np.int64).reshape(-1)
+        if ((targets < 0) | (targets >= self.n_vocab))[keep > 0].any():
+            raise ValueError(f"a target is outside the vocabulary (the labels 0..{self.n_vocab - 1})")
+        rows = np.arange(self.n_rows)
+        lab = self._labels_host
+        cols = np.where(keep > 0, targets, 0)
+        if self._labels_dense:
+            lab[:] = 0.0
+        else:
+            lab[rows, self._label_cols] = 0.0
+        lab[rows, cols] = keep > 0
+        self._label_cols, self._labels_dense = cols, False
+        self._labels.set(lab)
 
     def eval_nll(self, batch) -> tuple[float, int]:
         """(sum of NLL over the batch's targets, number of targets) without
