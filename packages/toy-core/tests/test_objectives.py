@@ -80,14 +80,14 @@ def _engine(rt, cfg, w, objective, B: int, accum: int = 1) -> TrainEngine:
     return TrainEngine(ArchTrain(cfg), w, rt, OptimConfig(), batch=B, context=T, accum=accum, objective=objective)
 
 
-def _ref(cfg, w, batches, fn):
+def _ref(cfg, w, batches, fn, temperature: float = 1.0):
     """The torch loss and gradients of ``fn`` over the rows of every batch
     (stacked: the objective's normalisation is over the step)."""
     cat = {
         k: np.concatenate([getattr(b, k) for b in batches]) for k in ("tokens", "pos", "doc", "targets", "loss_mask")
     }
     return torch_llama.objective_and_grads(
-        w, cfg, cat["tokens"], cat["pos"], cat["doc"], cat["targets"], cat["loss_mask"], fn
+        w, cfg, cat["tokens"], cat["pos"], cat["doc"], cat["targets"], cat["loss_mask"], fn, temperature=temperature
     )
 
 
@@ -234,13 +234,19 @@ def test_kto_matches_torch(tiny, rt):
     eng.close()
 
 
-@pytest.mark.parametrize(("loss_type", "beta"), [("dapo", 0.0), ("grpo", 0.04), ("bnpo", 0.0), ("dr_grpo", 0.04)])
-def test_grpo_matches_torch(tiny, rt, loss_type, beta):
+@pytest.mark.parametrize(
+    ("loss_type", "beta", "corrected", "temp"),
+    [("dapo", 0.0, True, 1.0), ("grpo", 0.04, True, 0.7), ("bnpo", 0.0, True, 1.0), ("dr_grpo", 0.04, False, 1.0)],
+)
+def test_grpo_matches_torch(tiny, rt, loss_type, beta, corrected, temp):
     torch = _torch()
     cfg, w = tiny
     rng = np.random.default_rng(7)
     batches = [_rows(rng, cfg.n_vocab, 4), _rows(rng, cfg.n_vocab, 4)]
-    eng = _engine(rt, cfg, w, GRPOLoss(beta, 0.2, 0.28, loss_type, max_completion_length=T), 4, accum=2)
+    objective = GRPOLoss(
+        beta, 0.2, 0.28, loss_type, max_completion_length=T, bias_correction_kl=corrected, temperature=temp
+    )
+    eng = _engine(rt, cfg, w, objective, 4, accum=2)
     for b in batches:
         lp = eng.token_logps(b)
         # old log-probs off the current ones, so some ratios leave [1 - eps, 1 + eps_high]
@@ -261,7 +267,8 @@ def test_grpo_matches_torch(tiny, rt, loss_type, beta):
             per = -torch.min(ratio * a, torch.clamp(ratio, 0.8, 1.28) * a)
             if beta:
                 dlt = torch.from_numpy(b.ref_logps.astype(float)) * m - x
-                per = per + beta * (torch.exp(dlt) - dlt - 1)
+                kl = torch.exp(dlt) - dlt - 1
+                per = per + beta * (kl * ratio if corrected else kl)
             per = per * m
             if loss_type == "dapo":
                 total = total + per.sum() / n_tok
@@ -273,7 +280,7 @@ def test_grpo_matches_torch(tiny, rt, loss_type, beta):
                 total = total + per.sum() / (4 * T) / 2
         return total
 
-    ref_loss, ref = _ref(cfg, w, batches, fn)
+    ref_loss, ref = _ref(cfg, w, batches, fn, temperature=temp)
     _check(loss, grads, ref_loss, ref)
     clipped = eng.objective.metrics()["clip_ratio"]
     assert 0.0 < clipped < 1.0
@@ -299,3 +306,52 @@ def test_objective_errors(tiny, rt):
     with pytest.raises(ValueError, match="'kl'"):
         eng.gradients([b])
     eng.close()
+
+
+def _pad_pairs(b: Rows, k: int) -> Rows:
+    """The pair batch with its last ``k`` pairs made padding (no loss token)."""
+    B = b.tokens.shape[0]
+    P = B // 2
+    out = Rows(**{f: (None if getattr(b, f) is None else np.array(getattr(b, f))) for f in b.__dataclass_fields__})
+    for r in [*range(P - k, P), *range(B - k, B)]:
+        out.loss_mask[r] = 0.0
+        if out.completion_mask is not None:
+            out.completion_mask[r] = 0.0
+        if out.ref_logps is not None:
+            out.ref_logps[r] = 0.0
+    return out
+
+
+@pytest.mark.parametrize("make", [lambda: DPOLoss(0.3), lambda: ORPOLoss(0.2)], ids=["dpo", "orpo"])
+def test_padding_pairs_count_for_nothing(tiny, rt, make):
+    """Pairs without loss tokens (an evaluation's padding) change neither
+    the loss nor a metric: 2 real pairs + 2 padding pairs give the loss and
+    metrics of the 2 real pairs alone."""
+    cfg, w = tiny
+    rng = np.random.default_rng(9)
+    whole = make().name == "orpo"
+    small = _rows(rng, cfg.n_vocab, 4, whole=whole)
+    small.ref_logps = rng.normal(-20.0, 3.0, size=4).astype(np.float32)
+    # the same two pairs in a 4-pair batch: rows [c0, c1, pad, pad, r0, r1, pad, pad]
+    filler = _rows(rng, cfg.n_vocab, 4, whole=whole)
+    filler.ref_logps = np.zeros(4, np.float32)
+    big = Rows(
+        **{
+            f: None
+            if getattr(small, f) is None
+            else np.concatenate(
+                [getattr(small, f)[:2], getattr(filler, f)[:2], getattr(small, f)[2:], getattr(filler, f)[2:]]
+            )
+            for f in ("tokens", "targets", "loss_mask", "pos", "doc", "completion_mask", "ref_logps")
+        }
+    )
+    big = _pad_pairs(big, 2)
+    e1, e2 = _engine(rt, cfg, w, make(), 4), _engine(rt, cfg, w, make(), 8)
+    l1, m1 = e1.evaluate_objective(small)
+    l2, m2 = e2.evaluate_objective(big)
+    assert l2 == pytest.approx(l1, rel=1e-5, abs=1e-7)
+    assert m2.keys() == m1.keys()
+    for k in m1:
+        assert m2[k] == pytest.approx(m1[k], rel=1e-5, abs=1e-6), k
+    e1.close()
+    e2.close()

@@ -192,18 +192,21 @@ def loss_and_grads(
     return float(loss.detach()), out
 
 
-def objective_and_grads(params: Mapping[str, np.ndarray], cfg, tokens, pos, doc, targets, loss_mask, fn):
+def objective_and_grads(
+    params: Mapping[str, np.ndarray], cfg, tokens, pos, doc, targets, loss_mask, fn, temperature: float = 1.0
+):
     """``fn(lp)`` and its gradient with respect to every entry of ``params``,
     where ``lp`` (B, T) is the float64 torch tensor of each position's target
-    log-probability (``log_softmax`` of the logits at the target), times
-    ``loss_mask``: a training objective on sequence log-probabilities
-    (``toy.train.objectives``) written out in torch by the caller."""
+    log-probability (``log_softmax`` of the logits / ``temperature`` at the
+    target), times ``loss_mask``: a training objective on sequence
+    log-probabilities (``toy.train.objectives``) written out in torch by the
+    caller."""
     _load_torch()
     w = _as_torch(params, grad=True)
     tgt = _ints(targets, "targets")
     mask = torch.from_numpy(np.array(loss_mask, np.float64, copy=True))
     z = _forward(w, cfg, _ints(tokens, "tokens"), _ints(pos, "pos"), _ints(doc, "doc"))
-    lp = torch.log_softmax(z, dim=-1).gather(-1, tgt[..., None])[..., 0] * mask
+    lp = torch.log_softmax(z / temperature, dim=-1).gather(-1, tgt[..., None])[..., 0] * mask
     loss = fn(lp)
     names = list(w)
     grads = torch.autograd.grad(loss, [w[n] for n in names], allow_unused=True)

@@ -31,6 +31,10 @@ only the completion), ``desirable`` and ``kl`` (KTO), ``advantages``,
 B = 2P rows: rows [0, P) the chosen completions, rows [P, 2P) the rejected
 ones, row i and row i + P one pair.
 
+Padding. A row without any loss token is padding (an evaluation's last
+batch is filled up with such rows; a pair pads both its rows): it adds
+nothing to the loss, to the count a loss is averaged over, or to a metric.
+
 Normalisation. ``begin_step`` sees all micro-batches of an optimizer step
 first, so a loss that TRL averages over a batch (pairs, rows, tokens) is
 averaged over the whole step here: with one micro-batch per step the loss
@@ -70,11 +74,12 @@ F32 = toy_ggml.GGMLType.F32
 PROB_FLOOR = 1e-30
 
 
-def target_logps(ops: toy_ggml.Context, logits, labels, keep, batch: int, context: int):
+def target_logps(ops: toy_ggml.Context, logits, labels, keep, batch: int, context: int, scale: float = 1.0):
     """``lp`` (B, T): the log-probability of each row's target, 0 off the mask
     (module docstring). ``labels`` (N, V) one-hot rows (zero without a
-    target), ``keep`` (N, 1)."""
-    p = ops.soft_max(logits)
+    target), ``keep`` (N, 1); ``scale`` multiplies the logits first (1 /
+    the sampling temperature: GRPO)."""
+    p = ops.soft_max(logits, scale=scale)
     pt = ops.sum_rows(ops.mul(p, labels))  # (N, 1): the target's probability
     lp = ops.mul(ops.log(ops.scale(pt, 1.0, PROB_FLOOR)), keep)
     return ops.reshape(lp, (batch, context))
@@ -163,6 +168,22 @@ def _pairs(batch: Any, what: str) -> int:
     return B // 2
 
 
+def _real_rows(batch: Any) -> np.ndarray:
+    """1.0 for a row that has a loss token, 0.0 for a padding row (an
+    evaluation's last batch is padded with rows without any)."""
+    return (np.asarray(batch.loss_mask).reshape(np.asarray(batch.tokens).shape).sum(axis=1) > 0).astype(np.float32)
+
+
+def _real_pairs(batch: Any) -> np.ndarray:
+    """1.0 for a pair whose rows have loss tokens, 0.0 for a padding pair
+    (both rows empty); a pair with one empty row is malformed."""
+    r = _real_rows(batch)
+    P = r.size // 2
+    if (r[:P] != r[P:]).any():
+        raise ValueError("a pair batch has a pair with one empty row (chosen and rejected both carry loss or neither)")
+    return r[:P]
+
+
 def _completion_mask(batch: Any) -> np.ndarray:
     cm = getattr(batch, "completion_mask", None)
     return np.asarray(batch.loss_mask if cm is None else cm, np.float32)
@@ -243,20 +264,23 @@ class DPOLoss(_Base):
         self._input(ctx, "ref", (batch, 1))
         self._input(ctx, "cmask", (batch, context))
         self._input(ctx, "inv_len", (batch, 1))
-        self._input(ctx, "norm", (1,))
+        self._input(ctx, "weight", (batch // 2, 1))  # 1 / the step's pairs; 0 for a padding pair
 
     def begin_step(self, micro_batches) -> None:
-        self._n = sum(_pairs(b, "DPO") for b in micro_batches)
+        self._n = sum(float(_real_pairs(b).sum()) for b in micro_batches if _pairs(b, "DPO"))
+        if self._n == 0:
+            raise ValueError("DPO: the step has no pair with loss tokens")
         self._acc = {}
 
     def upload(self, batch) -> None:
         _pairs(batch, "DPO")
+        real = _real_pairs(batch)
         ref = _need(batch, "ref_logps", "DPO")
         cm = _completion_mask(batch)
-        self._set("ref", ref)
+        self._set("ref", np.where(np.concatenate([real, real]) > 0, ref, 0.0))
         self._set("cmask", cm)
         self._set("inv_len", 1.0 / np.maximum(cm.sum(axis=1), 1.0))
-        self._set("norm", [1.0 / self._n])
+        self._set("weight", real / self._n)
 
     def loss(self, ops, lp):
         B, _ = self._shape
@@ -279,7 +303,7 @@ class DPOLoss(_Base):
             per = ops.sub(clean, flip)
         else:  # hinge
             per = ops.relu(ops.scale(h, -b, 1.0))
-        return ops.mul(ops.sum(per), t["norm"]), {"seq_logps": seq}
+        return ops.sum(ops.mul(per, t["weight"])), {"seq_logps": seq}
 
     def collect(self, outputs, batch) -> None:
         seq = outputs["seq_logps"].reshape(-1).astype(np.float64)
@@ -287,7 +311,10 @@ class DPOLoss(_Base):
         P = seq.size // 2
         r = self.beta * (seq - ref)
         rc, rr = r[:P], r[P:]
+        real = _real_pairs(batch)
         for i in range(P):
+            if not real[i]:
+                continue
             self._add(rewards_chosen=rc[i], rewards_rejected=rr[i], margin=rc[i] - rr[i], accuracy=rc[i] > rr[i])
             self._add(logps_chosen=seq[i], logps_rejected=seq[P + i])
 
@@ -327,11 +354,14 @@ class ORPOLoss(_Base):
         self._shape = (batch, context)
         self._input(ctx, "cmask", (batch, context))
         self._input(ctx, "inv_len", (batch, 1))
+        self._input(ctx, "pad", (batch, 1))
         self._input(ctx, "nll_mask", (batch, context))  # the chosen rows' loss mask scaled by -1 / n_nll_step
-        self._input(ctx, "norm", (1,))
+        self._input(ctx, "weight", (batch // 2, 1))  # lambda / the step's pairs; 0 for a padding pair
 
     def begin_step(self, micro_batches) -> None:
-        self._n = sum(_pairs(b, "ORPO") for b in micro_batches)
+        self._n = sum(float(_real_pairs(b).sum()) for b in micro_batches if _pairs(b, "ORPO"))
+        if self._n == 0:
+            raise ValueError("ORPO: the step has no pair with loss tokens")
         self._n_nll = 0.0
         for b in micro_batches:
             P = _pairs(b, "ORPO")
@@ -342,28 +372,33 @@ class ORPOLoss(_Base):
 
     def upload(self, batch) -> None:
         P = _pairs(batch, "ORPO")
+        real = _real_pairs(batch)
         cm = _completion_mask(batch)
         n = cm.sum(axis=1)
-        if (n == 0).any():
+        rows = np.concatenate([real, real]) > 0
+        if (n[rows] == 0).any():
             raise ValueError("ORPO: a row has an empty completion")
         nll = np.zeros_like(cm)
         nll[:P] = (np.asarray(batch.loss_mask)[:P] > 0) * (-1.0 / self._n_nll)
         self._set("cmask", cm)
-        self._set("inv_len", 1.0 / n)
+        # a padding row: average 0 (its completion mask is empty), so log(1 - exp(0)) would be -inf; -1 keeps it finite
+        self._set("inv_len", np.where(rows, 1.0 / np.maximum(n, 1.0), 0.0))
         self._set("nll_mask", nll)
-        self._set("norm", [self.lam / self._n])
+        self._set("pad", (~rows).astype(np.float32))
+        self._set("weight", real * (self.lam / self._n))
 
     def loss(self, ops, lp):
         B, _ = self._shape
         P = B // 2
         t = self._t
-        avg = ops.mul(ops.sum_rows(ops.mul(lp, t["cmask"])), t["inv_len"])  # (B, 1), < 0
+        avg = ops.mul(ops.sum_rows(ops.mul(lp, t["cmask"])), t["inv_len"])  # (B, 1), < 0 (0: a padding row)
+        avg = ops.sub(avg, t["pad"])  # -1 on a padding row (finite odds; its weight is 0)
         log1mexp = ops.log(ops.scale(ops.exp(avg), -1.0, 1.0))
         odds = ops.sub(avg, log1mexp)
         log_odds = ops.sub(_rows(ops, odds, 0, P), _rows(ops, odds, P, P))
         ratio = log_sigmoid(ops, log_odds)
         nll = ops.sum(ops.mul(lp, t["nll_mask"]))
-        loss = ops.sub(nll, ops.mul(ops.sum(ratio), t["norm"]))
+        loss = ops.sub(nll, ops.sum(ops.mul(ratio, t["weight"])))
         return loss, {"avg_logps": avg, "nll": nll}
 
     def collect(self, outputs, batch) -> None:
@@ -373,7 +408,10 @@ class ORPOLoss(_Base):
         lo = (ac - ar) - (np.log1p(-np.exp(ac)) - np.log1p(-np.exp(ar)))
         ls = -np.logaddexp(0.0, -lo)
         self._add(nll=float(outputs["nll"].reshape(-1)[0]))
+        real = _real_pairs(batch)
         for i in range(P):
+            if not real[i]:
+                continue
             rc, rr = self.lam * ac[i], self.lam * ar[i]
             self._add(rewards_chosen=rc, rewards_rejected=rr, margin=rc - rr, accuracy=rc > rr)
             self._add(log_odds_ratio=ls[i], log_odds_chosen=lo[i])
@@ -425,20 +463,23 @@ class KTOLoss(_Base):
         self._input(ctx, "weight", (batch, 1))  # w / n_rows_step
 
     def begin_step(self, micro_batches) -> None:
-        self._n = sum(np.asarray(b.tokens).shape[0] for b in micro_batches)
+        self._n = sum(float(_real_rows(b).sum()) for b in micro_batches)
+        if self._n == 0:
+            raise ValueError("KTO: the step has no example with loss tokens")
         self._acc = {}
 
     def upload(self, batch) -> None:
         B = self._shape[0]
+        real = _real_rows(batch)
         d = _need(batch, "desirable", "KTO").astype(bool).reshape(-1)
         kl = getattr(batch, "kl", None)
         if kl is None:
             raise ValueError("KTO: the batch has no 'kl' (the run sets it before each step)")
-        self._set("ref", _need(batch, "ref_logps", "KTO"))
+        self._set("ref", np.where(real > 0, _need(batch, "ref_logps", "KTO").reshape(-1), 0.0))
         self._set("cmask", _completion_mask(batch))
         self._set("kl", np.full(B, float(kl)))
         self._set("sign", np.where(d, -self.beta, self.beta))
-        self._set("weight", np.where(d, self.wd, self.wu) / self._n)
+        self._set("weight", real * np.where(d, self.wd, self.wu) / self._n)
 
     def loss(self, ops, lp):
         t = self._t
@@ -451,9 +492,11 @@ class KTOLoss(_Base):
         seq = outputs["seq_logps"].reshape(-1).astype(np.float64)
         r = self.beta * (seq - np.asarray(batch.ref_logps, np.float64).reshape(-1))
         d = np.asarray(batch.desirable).astype(bool).reshape(-1)
+        real = _real_rows(batch)
         self._add(kl=float(batch.kl))
         for i in range(seq.size):
-            self._add(**{"rewards_chosen" if d[i] else "rewards_rejected": r[i]})
+            if real[i]:
+                self._add(**{"rewards_chosen" if d[i] else "rewards_rejected": r[i]})
 
     def metrics(self) -> dict[str, float]:
         m = super().metrics()
@@ -485,7 +528,12 @@ class GRPOLoss(_Base):
     and the number of micro-batches. ``old_logps`` (B, T) is required:
     the policy's per-token log-probs when the rollouts were made (for the
     first optimizer step on a rollout batch they equal the current ones, so
-    the ratio is 1, as TRL's detached copy). Metrics: clip_ratio (share of
+    the ratio is 1, as TRL's detached copy). ``bias_correction_kl`` (TRL's
+    ``use_bias_correction_kl``, on by default there and here) multiplies
+    the KL term by the ratio (differentiable: it changes the gradient even
+    where the ratio is 1). ``temperature``: the log-probs are those of the
+    logits divided by it, the distribution the rollouts were sampled from
+    (TRL's GRPOConfig.temperature). Metrics: clip_ratio (share of
     completion tokens where the clipped term was taken), kl (mean k3 when
     beta > 0)."""
 
@@ -498,8 +546,15 @@ class GRPOLoss(_Base):
         epsilon_high: float | None = None,
         loss_type: str = "dapo",
         max_completion_length: int | None = None,
+        *,
+        bias_correction_kl: bool = True,
+        temperature: float = 1.0,
     ):
         super().__init__()
+        if not temperature > 0:
+            raise ValueError(f"GRPO temperature={temperature} must be > 0")
+        self.bias_correction_kl, self.temperature = bool(bias_correction_kl), float(temperature)
+        self.logit_scale = 1.0 / self.temperature
         if loss_type not in GRPO_LOSS_TYPES:
             raise ValueError(f"GRPO loss type {loss_type!r} is not one of {', '.join(GRPO_LOSS_TYPES)}")
         if beta < 0:
@@ -519,6 +574,8 @@ class GRPOLoss(_Base):
             "epsilon": self.epsilon,
             "epsilon_high": self.epsilon_high,
             "loss_type": self.loss_type,
+            "bias_correction_kl": self.bias_correction_kl,
+            "temperature": self.temperature,
         }
 
     def make(self, ctx, batch: int, context: int) -> None:
@@ -531,7 +588,7 @@ class GRPOLoss(_Base):
 
     def begin_step(self, micro_batches) -> None:
         self._k = len(micro_batches)
-        self._rows = sum(np.asarray(b.tokens).shape[0] for b in micro_batches)
+        self._rows = sum(float(_real_rows(b).sum()) for b in micro_batches)
         self._tokens = sum(float(_completion_mask(b).sum()) for b in micro_batches)
         if self._tokens == 0:
             raise ValueError("GRPO: the step has no completion token")
@@ -543,7 +600,7 @@ class GRPOLoss(_Base):
         if self.loss_type == "dapo":
             w = np.full_like(n, 1.0 / self._tokens)
         elif self.loss_type == "grpo":
-            w = 1.0 / (np.maximum(n, 1.0) * self._rows)
+            w = 1.0 / (np.maximum(n, 1.0) * max(self._rows, 1.0))
         elif self.loss_type == "bnpo":
             w = np.full_like(n, 1.0 / (max(float(cm.sum()), 1.0) * self._k))
         else:  # dr_grpo
@@ -564,7 +621,10 @@ class GRPOLoss(_Base):
         per = ops.neg(_min(ops, a, b))
         if self.beta > 0:
             d = ops.sub(t["ref"], lp)
-            per = ops.add(per, ops.scale(ops.sub(ops.exp(d), ops.scale(d, 1.0, 1.0)), self.beta))
+            kl = ops.sub(ops.exp(d), ops.scale(d, 1.0, 1.0))
+            if self.bias_correction_kl:
+                kl = ops.mul(kl, ratio)
+            per = ops.add(per, ops.scale(kl, self.beta))
         return ops.sum(ops.mul(per, t["wmask"])), {"token_logps": lp}
 
     def collect(self, outputs, batch) -> None:
@@ -580,7 +640,7 @@ class GRPOLoss(_Base):
             self._add(clip_ratio=float(clipped[cm].sum()) / n)
             if self.beta > 0:
                 d = np.asarray(batch.ref_logps, np.float64) - lp
-                self._add(kl=float((np.exp(d) - d - 1.0)[cm].mean()))
+                self._add(kl=float((np.exp(d) - d - 1.0)[cm].mean()))  # TRL's "kl" metric: without the ratio
 
 
 OBJECTIVES = {"dpo": DPOLoss, "orpo": ORPOLoss, "kto": KTOLoss, "grpo": GRPOLoss}

@@ -418,7 +418,8 @@ class TrainEngine:
         (forward: the per-target log-probs), ``objective_eval`` (forward: the
         loss and the objective's outputs) and the training kinds."""
         inp = self.inputs
-        lp = target_logps(ops, logits, self._labels, inp.keep, inp.batch, inp.context)
+        scale = float(getattr(self.objective, "logit_scale", 1.0))
+        lp = target_logps(ops, logits, self._labels, inp.keep, inp.batch, inp.context, scale)
         if kind == "logps":
             lp = lp.set_output()
             g = toy_ggml.Graph(ops, size=cap * 4).build_forward(lp)
@@ -784,7 +785,9 @@ class TrainEngine:
     def token_logps(self, batch) -> np.ndarray:
         """(B, T) float32: the log-probability of each position's target
         under the current parameters, 0 where the batch's loss mask is 0
-        (a forward graph; nothing updated; ``toy.train.objectives``)."""
+        (a forward graph; nothing updated; ``toy.train.objectives``). With
+        an objective that has a ``logit_scale`` (GRPO's 1 / temperature) the
+        logits are scaled first, as in its loss."""
         if not isinstance(self.feed, TokenFeed):
             raise TypeError("token_logps: the model is not a language model (its feed is not TokenFeed)")
         self.feed.upload(self.inputs, batch)
