@@ -20,6 +20,16 @@ Decision on the marks: on a colour terminal the loss spans are bold green
 survive pipes, logs and tests. ``--max-length`` defaults to the model's
 context length capped at 2048.
 
+Preference data (``toy.train.prefdata``): a file whose first valid line has
+``chosen`` and ``rejected`` (pairs: DPO, ORPO), ``label`` (unpaired: KTO) or
+``prompt`` alone (prompts: GRPO), or any file with ``--format
+pairs|unpaired|prompts``, is checked as that format instead: each sample
+shows every sequence of its example (chosen and rejected; the completion
+with its label; the prompt) with the completion tokens marked, the summary
+counts sequences, loss tokens, labels and the prompts' other fields, and a
+prompt that leaves no completion token within ``--max-length`` is a
+problem. Every other file is checked as instruction-tuning data, as before.
+
 ``toy data demo-chat [OUT]`` writes the bundled chat set
 (``toy.train.demodata.write_demo_chat``) and prints its path.
 
@@ -34,7 +44,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -82,28 +92,81 @@ def _summary(report) -> list[str]:
     ]
 
 
-def _print_samples(samples: list[dict], styled: bool) -> None:
+def _print_body(s: dict, styled: bool) -> None:
+    """One sequence's segments, then a count of the tokens not shown."""
     if styled:
         from rich.console import Console
         from rich.text import Text
 
-        console = Console(highlight=False, soft_wrap=True)
+        text = Text()
+        for seg, loss in s["segments"]:
+            text.append(seg, style=LOSS_STYLE if loss else None)
+        Console(highlight=False, soft_wrap=True).print(text, end="" if text.plain.endswith("\n") else "\n")
+    else:
+        body = "".join(f"{OPEN}{seg}{CLOSE}" if loss else seg for seg, loss in s["segments"])
+        typer.echo(body, nl=not body.endswith("\n"))
+    hidden = s["n_tokens"] - s.get("shown_tokens", s["n_tokens"])
+    if hidden > 0:
+        typer.echo(f"… {hidden:,} more tokens not shown")
+
+
+def _head(text: str, styled: bool) -> None:
+    if styled:
+        from rich.console import Console
+        from rich.text import Text
+
+        Console(highlight=False, soft_wrap=True).print(Text(text, style="bold"))
+    else:
+        typer.echo(text)
+
+
+def _print_samples(samples: list[dict], styled: bool) -> None:
     for i, s in enumerate(samples, 1):
-        head = f"── example {i}: line {s['line']}, {s['kind']}, {s['n_tokens']} tokens, {s['n_loss']} carry loss"
-        if styled:
-            text = Text()
-            for seg, loss in s["segments"]:
-                text.append(seg, style=LOSS_STYLE if loss else None)
-            console.print(Text(head, style="bold"))
-            console.print(text, end="" if text.plain.endswith("\n") else "\n")
-        else:
-            body = "".join(f"{OPEN}{seg}{CLOSE}" if loss else seg for seg, loss in s["segments"])
-            typer.echo(head)
-            typer.echo(body, nl=not body.endswith("\n"))
-        hidden = s["n_tokens"] - s.get("shown_tokens", s["n_tokens"])
-        if hidden > 0:
-            typer.echo(f"… {hidden:,} more tokens not shown")
+        _head(
+            f"── example {i}: line {s['line']}, {s['kind']}, {s['n_tokens']} tokens, {s['n_loss']} carry loss", styled
+        )
+        _print_body(s, styled)
         typer.echo("")
+
+
+def _print_pref_samples(report, styled: bool) -> None:
+    for i, s in enumerate(report.samples, 1):
+        _head(f"── example {i}: line {s['line']}, {report.format} ({s['style']})", styled)
+        for side in s["sides"]:
+            label = "" if "label" not in s else f" ({'desirable' if s['label'] else 'undesirable'})"
+            typer.echo(f"{side['name']}{label}: {side['n_tokens']} tokens, {side['n_loss']} carry loss")
+            _print_body(side, styled)
+        typer.echo("")
+
+
+def _pref_summary(report) -> list[str]:
+    styles = ", ".join(f"{k} {_num(n)}" for k, n in report.styles.items())
+    share = f"{100 * report.n_loss / report.n_tokens:.1f}%" if report.n_tokens else "-"
+    ln = report.lengths
+    per = {"pairs": "2 sequences (chosen, rejected) each", "unpaired": "1 sequence each", "prompts": "prompts only"}
+    lines = [
+        f"file         {report.path}",
+        f"format       {report.format or '-'}" + (f" ({per[report.format]})" if report.format in per else ""),
+        f"examples     {_num(report.n_examples)}" + (f" ({styles})" if styles else ""),
+    ]
+    if report.format == "unpaired":
+        lines.append(f"labels       {_num(report.n_desirable)} desirable, {_num(report.n_undesirable)} undesirable")
+    if report.format == "prompts":
+        lines.append(f"fields       {', '.join(report.fields) or '-'} (passed to the reward functions)")
+    prompts = report.format == "prompts"
+    lines += [
+        f"tokens       {_num(report.n_tokens)} in prompts, none carry loss (the rollouts' completions will)"
+        if prompts
+        else f"tokens       {_num(report.n_tokens)} total, {_num(report.n_loss)} carry loss ({share})",
+        f"length       min {_num(ln['min'])}, median {_num(ln['median'])}, p95 {_num(ln['p95'])}, "
+        f"max {_num(ln['max'])} tokens per {'prompt' if prompts else 'sequence'}",
+    ]
+    if not prompts:
+        lines.append(
+            f"over-length  {_num(report.over_length)} longer than --max-length {report.max_length} "
+            "(completion truncated in training)"
+        )
+    return [*lines, f"problems     {_num(len(report.problems))}"]
 
 
 @data_app.command("check")
@@ -126,8 +189,18 @@ def check_cmd(
             help="Parse control-token text inside messages as control tokens (data.special_in_content).",
         ),
     ] = False,
+    fmt: Annotated[
+        str | None,
+        typer.Option(
+            "--format",
+            help="Check as preference data: pairs (DPO, ORPO), unpaired (KTO) or prompts (GRPO). "
+            "Default: detected from the first line.",
+        ),
+    ] = None,
 ) -> None:
-    """Check instruction-tuning data: the loss-carrying tokens of the first examples, lengths, formats, problems."""
+    """Check fine-tuning data: the loss-carrying tokens of the first examples, lengths, formats, problems."""
+    if fmt is not None and fmt not in ("pairs", "unpaired", "prompts"):
+        raise CLIError(f"--format must be pairs, unpaired or prompts (got {fmt!r})", None, 2)
     if show < 0:
         raise CLIError(f"--show must be 0 or more (got {show})", None, 2)
     if max_length is not None and max_length < 2:
@@ -135,20 +208,30 @@ def check_cmd(
     with cli_errors():
         from toy.inputs import regular_file
         from toy.train.instruct import check_file
+        from toy.train.prefdata import check_pref_file, detect_file
 
         regular_file(file)  # before the model is read: a FIFO or /dev/zero is refused at once
+        fmt = fmt or detect_file(file)
         tokenizer, template, ctx = _load(model)
         if max_length is None:
             max_length = min(ctx, MAX_LENGTH_CAP) if ctx else MAX_LENGTH_CAP
-        report = check_file(
-            file, tokenizer, template, max_length=max_length, show=show, special_in_content=special_in_content
-        )
+        report: Any
+        kw: dict[str, Any] = {"max_length": max_length, "show": show, "special_in_content": special_in_content}
+        if fmt:
+            report = check_pref_file(file, tokenizer, template, format=fmt, **kw)
+        else:
+            report = check_file(file, tokenizer, template, **kw)
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))
     else:
         styled = not plain and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-        _print_samples(report.samples, styled)
-        lines = _summary(report) + [f"line {n}: {reason}" if n else reason for n, reason in report.problems]
+        if fmt:
+            _print_pref_samples(report, styled)
+            lines = _pref_summary(report)
+        else:
+            _print_samples(report.samples, styled)
+            lines = _summary(report)
+        lines += [f"line {n}: {reason}" if n else reason for n, reason in report.problems]
         typer.echo("\n".join(lines))
     if report.problems:
         n = len(report.problems)

@@ -178,23 +178,25 @@ class _Encoder:
             tokens, loss = self.conversation(self.messages(obj["messages"]))
         return Example(np.asarray(tokens, np.int32), np.asarray(loss, bool), source, line, kind)
 
-    def messages(self, msgs: Any) -> list[dict]:
+    def messages(self, msgs: Any, name: str = "messages", need_assistant: bool = True) -> list[dict]:
+        """``msgs`` checked as a list of messages; ``name`` is the key the reasons call it by
+        (``toy.train.prefdata`` checks its ``prompt``/``chosen``/``rejected`` lists here too)."""
         if not isinstance(msgs, list):
-            raise _Bad(f'"messages" is {_JTYPE.get(type(msgs), "null")}, not an array')
+            raise _Bad(f'"{name}" is {_JTYPE.get(type(msgs), "null")}, not an array')
         if not msgs:
-            raise _Bad('"messages" is empty')
+            raise _Bad(f'"{name}" is empty')
         for i, m in enumerate(msgs):
             if not isinstance(m, dict):
-                raise _Bad(f"messages[{i}] is {_JTYPE.get(type(m), 'null')}, not an object")
+                raise _Bad(f"{name}[{i}] is {_JTYPE.get(type(m), 'null')}, not an object")
             for k in ("role", "content"):
                 if k not in m:
-                    raise _Bad(f'messages[{i}] has no "{k}"')
-                _str(m[k], f'messages[{i}]["{k}"]')
+                    raise _Bad(f'{name}[{i}] has no "{k}"')
+                _str(m[k], f'{name}[{i}]["{k}"]')
             if m["role"] not in self.roles:
-                raise _Bad(f"messages[{i}]: unknown role {m['role']!r} (allowed: {', '.join(self.roles)})")
+                raise _Bad(f"{name}[{i}]: unknown role {m['role']!r} (allowed: {', '.join(self.roles)})")
             if m["role"] == "assistant" and not m["content"].strip():
-                raise _Bad(f"messages[{i}]: empty assistant content")
-        if not any(m["role"] == "assistant" for m in msgs):
+                raise _Bad(f"{name}[{i}]: empty assistant content")
+        if need_assistant and not any(m["role"] == "assistant" for m in msgs):
             raise _Bad("the conversation has no assistant turn")
         return msgs
 
