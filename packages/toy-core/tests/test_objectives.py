@@ -355,3 +355,66 @@ def test_padding_pairs_count_for_nothing(tiny, rt, make):
         assert m2[k] == pytest.approx(m1[k], rel=1e-5, abs=1e-6), k
     e1.close()
     e2.close()
+
+
+@pytest.mark.parametrize("fn", ["softplus", "log_sigmoid", "sigmoid"])
+def test_scalar_pieces_and_their_gradients(rt, fn):
+    """The composed softplus / log sigmoid / sigmoid against NumPy, values
+    and derivatives, at 0 (where every DPO and KTO run starts: a kink there
+    would make the first gradient 0), around the knee and far out."""
+    import toy_ggml
+    from toy.train import objectives as O
+
+    x0 = np.array([0.0, 1e-3, -1e-3, 2.5, -2.5, 29.0, 31.0, 45.0, -45.0, 120.0, -120.0], np.float32)
+    st = toy_ggml.Context(max_tensors=4)
+    x = st.tensor(toy_ggml.GGMLType.F32, x0.shape, name="x").set_param()
+    st.allocate(rt)
+    x.set(x0)
+    ops = toy_ggml.Context(max_tensors=1024, graph_size=1024)
+    y = getattr(O, fn)(ops, x).set_output()
+    loss = ops.sum(y).set_loss().set_output()
+    g = toy_ggml.Graph(ops, size=1024, grads=True)
+    g.build_forward(loss)
+    g.build_backward()
+    seed = g.grad(loss)
+    seed.set_input()
+    grad = g.grad(x).set_output()
+    g.build_forward(grad)
+    rt.allocate(g)
+    seed.set(np.ones(seed.shape, np.float32))
+    rt.compute(g)
+    xd = x0.astype(np.float64)
+    sp = np.logaddexp(0.0, xd)
+    sig = 1.0 / (1.0 + np.exp(-xd))
+    want, dwant = {
+        "softplus": (sp, sig),
+        "log_sigmoid": (-np.logaddexp(0.0, -xd), 1.0 - sig),
+        "sigmoid": (sig, sig * (1.0 - sig)),
+    }[fn]
+    np.testing.assert_allclose(y.numpy(), want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(grad.numpy(), dwant, rtol=1e-5, atol=1e-7)
+    ops.close()
+    st.close()
+
+
+def test_dpo_gradient_at_the_reference_point(tiny, rt):
+    """policy == reference (every run's first step): the margin is exactly 0
+    in the graph, the loss log 2, and the gradient is TRL's/the formula's
+    (-beta/2 times the margin's gradient), not 0."""
+    torch = _torch()
+    F = torch.nn.functional
+    cfg, w = tiny
+    rng = np.random.default_rng(11)
+    b = _rows(rng, cfg.n_vocab, 4)
+    eng = _engine(rt, cfg, w, DPOLoss(0.5), 4)
+    b.ref_logps = np.zeros(4, np.float32)
+    eng.evaluate_objective(b)
+    # the graph's own float32 sequence log-probs: the reference the run computes with this very graph
+    b.ref_logps = eng._graphs["objective_eval"].outputs["seq_logps"].numpy().reshape(-1).copy()
+    loss, grads = eng.gradients([b])
+    assert loss == pytest.approx(np.log(2.0), abs=1e-7)
+    margins = _pair_ref([b], b.ref_logps, lambda r, cm: r)
+    ref_loss, ref = _ref(cfg, w, [b], lambda lp: (-F.logsigmoid(0.5 * margins(lp))).mean())
+    _check(loss, grads, ref_loss, ref)
+    assert max(float(np.abs(g).max()) for g in grads.values()) > 1e-3
+    eng.close()

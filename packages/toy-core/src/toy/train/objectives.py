@@ -55,9 +55,15 @@ loss and every gradient against TRL 1.16 on the same batch):
   token-level normalisations and an optional k3 KL penalty to a reference.
 
 The scalar pieces are composed from ops that ggml differentiates:
-``softplus(x) = relu(x) + log(1 + exp(-|x|))`` (|x| = relu(x) + relu(-x)),
+``softplus(x) = log(1 + exp(x - o)) + o`` with ``o = relu(x - 30)`` (exp
+never overflows; the one kink is at x = 30, where softplus' derivative is 1
+to 1e-13: the textbook ``relu(x) + log(1 + exp(-|x|))`` has ggml's
+derivative 0 at x = 0 (relu'(0) = 0 on both sides), exactly where every
+DPO and KTO run starts, policy = reference, so the first step's gradient
+would be 0 and a LoRA adapter, B = 0, would never move),
 ``log sigmoid(x) = -softplus(-x)``, ``sigmoid(x) = exp(-softplus(-x))``,
-``min(a, b) = a - relu(a - b)``.
+``min(a, b) = a - relu(a - b)`` (at a = b the gradient is a's; GRPO's
+ratio at 1 lies inside the clip range, where both sides' are equal).
 """
 
 from __future__ import annotations
@@ -88,13 +94,14 @@ def target_logps(ops: toy_ggml.Context, logits, labels, keep, batch: int, contex
 # ------------------------------------------------------------------ scalar pieces
 
 
-def _abs(ops, x):
-    return ops.add(ops.relu(x), ops.relu(ops.neg(x)))
+#: where softplus switches from log(1 + exp(x)) to x (module docstring)
+SOFTPLUS_KNEE = 30.0
 
 
 def softplus(ops, x):
-    """log(1 + exp(x)), stable for any x."""
-    return ops.add(ops.relu(x), ops.log(ops.scale(ops.exp(ops.neg(_abs(ops, x))), 1.0, 1.0)))
+    """log(1 + exp(x)) for any x, differentiable at 0 (module docstring)."""
+    over = ops.relu(ops.scale(x, 1.0, -SOFTPLUS_KNEE))
+    return ops.add(ops.log(ops.scale(ops.exp(ops.sub(x, over)), 1.0, 1.0)), over)
 
 
 def log_sigmoid(ops, x):
@@ -640,7 +647,10 @@ class GRPOLoss(_Base):
             self._add(clip_ratio=float(clipped[cm].sum()) / n)
             if self.beta > 0:
                 d = np.asarray(batch.ref_logps, np.float64) - lp
-                self._add(kl=float((np.exp(d) - d - 1.0)[cm].mean()))  # TRL's "kl" metric: without the ratio
+                k3 = np.exp(d) - d - 1.0
+                if self.bias_correction_kl:  # TRL's "kl" metric is of the term the loss uses
+                    k3 = k3 * ratio
+                self._add(kl=float(k3[cm].mean()))
 
 
 OBJECTIVES = {"dpo": DPOLoss, "orpo": ORPOLoss, "kto": KTOLoss, "grpo": GRPOLoss}
@@ -650,6 +660,7 @@ __all__ = [
     "GRPO_LOSS_TYPES",
     "OBJECTIVES",
     "PROB_FLOOR",
+    "SOFTPLUS_KNEE",
     "DPOLoss",
     "GRPOLoss",
     "KTOLoss",
