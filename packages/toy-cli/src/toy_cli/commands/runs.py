@@ -166,6 +166,11 @@ def _requests(run) -> dict | None:
             "median_ttft_s": median("ttft_s"), "median_tok_s": median("tok_s")}  # fmt: skip
 
 
+#: step metrics of a preference run shown as curves (``toy.train.objectives``: the share of pairs the policy
+#: prefers as the data does, and the mean reward margin)
+PREF_CURVES = ("accuracy", "margin")
+
+
 def _spark_line(label: str, pts: list, spec: str) -> str:
     from toy.runs.reader import sparkline
 
@@ -249,6 +254,10 @@ def _show_text(r, curves: dict, samples: list, checkpoints: list, requests: dict
         lines += ["", _spark_line("loss", curves["loss"], ".4f"), _spark_line("lr", curves["lr"], ".3g")]
     for name, pts in curves["val"].items():
         lines.append(_spark_line(name, pts, ".4f"))
+    for key in PREF_CURVES:  # a preference run's step metrics (toy.train.prefrun)
+        pts = [(e["step"], e[key]) for e in r.of("step") if isinstance(e.get(key), (int, float))]
+        if pts:
+            lines.append(_spark_line(key, pts, ".4f"))
     typer.echo("\n".join(lines))
     evals = r.of("eval")
     if evals:
@@ -256,7 +265,9 @@ def _show_text(r, curves: dict, samples: list, checkpoints: list, requests: dict
         std = {"kind", "t", "step", "name", "loss", "ppl", "tokens"}
         rows = []
         for e in evals:
-            extra = ", ".join(f"{k}={_value(v)}" for k, v in e.items() if k not in std)
+            extra = ", ".join(
+                f"{k}={_num(v, '.4g') if isinstance(v, float) else _value(v)}" for k, v in e.items() if k not in std
+            )
             name = _value(e.get("name", "-"))
             rows.append(
                 [_num(e.get("step")), name, _num(e.get("loss")), _num(e.get("ppl"), ".2f"), _num(e.get("tokens"))]
@@ -294,10 +305,19 @@ def _show_text(r, curves: dict, samples: list, checkpoints: list, requests: dict
 def show(
     run: Annotated[str, typer.Argument(metavar="RUN", help="A run folder, id or unique id prefix.")],
     samples: Annotated[int, typer.Option("--samples", min=0, help="Show the last this many samples.")] = 3,
+    rollouts: Annotated[
+        bool, typer.Option("--rollouts", help="A GRPO run: show a step's rollouts (rollouts.jsonl) instead.")
+    ] = False,
+    step: Annotated[
+        int | None, typer.Option("--step", min=1, help="With --rollouts: this step's (default: the last).")
+    ] = None,
     as_json: AsJson = False,
     runs_dir: RunsDir = None,
 ) -> None:
     """Show one run: summary, config, loss sparkline, evals, samples, checkpoints, problems."""
+    if rollouts or step is not None:
+        _show_rollouts(run, step, as_json, runs_dir)
+        return
     from toy.runs.reader import loss_curve, lr_curve, val_curves
 
     (r,) = _load([run], runs_dir)
@@ -440,6 +460,58 @@ def export_cmd(
     for d in done:
         where = ", ".join(f"{b} {d[b]}" for b in backends)
         typer.echo(f"{d['run']}: {d['events']} events -> {where}")
+
+
+# -- toy runs show --rollouts (GRPO)
+
+
+def _show_rollouts(run: str, step: int | None, as_json: bool, runs_dir: Path | None) -> None:
+    """The completions a GRPO run sampled for one optimizer step (``toy.train.grpo``'s ``rollouts.jsonl``):
+    prompt, completion, rewards, advantage, how it ended, and any reward's error; by default the last step
+    that made rollouts. A rollout batch trained for several steps (``grpo.iterations``) is shown under the
+    first."""
+    from toy.runs.reader import resolve_run
+
+    with cli_errors():
+        folder = resolve_run(run, _root(runs_dir))
+    from toy.train.grpo import ROLLOUTS, read_rollouts  # imports the engine: only for this view
+
+    recs = read_rollouts(folder)
+    if not recs:
+        raise CLIError(f"{folder}: no {ROLLOUTS} (rollouts are written by GRPO runs)", None, 2)
+    steps = sorted({r["step"] for r in recs if isinstance(r.get("step"), int)})
+    # a step without rollouts of its own trained on the latest batch made before it (grpo.iterations > 1)
+    pick = steps[-1] if step is None else max((s for s in steps if s <= step), default=None)
+    shown = sorted((r for r in recs if r.get("step") == pick), key=lambda r: r.get("row", 0))
+    if not shown:
+        raise CLIError(f"{folder}: no rollouts at step {step}", f"steps with rollouts: {_ranges(steps)}", 2)
+    if as_json:
+        typer.echo(json.dumps({"run": folder.name, "step": pick, "rollouts": shown}, indent=2, ensure_ascii=False))
+        return
+    rewards = [x for x in (r.get("reward") for r in shown) if isinstance(x, (int, float))]
+    mean = f", mean reward {_num(sum(rewards) / len(rewards))}" if rewards else ""
+    made = f"step {pick}" if step in (None, pick) else f"step {step} (rollouts made for step {pick})"
+    typer.echo(f"run {folder.name}: {made}, {len(shown)} completions (rollout {shown[0].get('rollout')}){mean}")
+    prompt = None
+    for r in shown:
+        if r.get("prompt_index") != prompt:
+            prompt = r.get("prompt_index")
+            typer.echo(f"\nprompt {_clip(r.get('prompt'))} ({r.get('source')}:{r.get('line')})")
+        per = ", ".join(
+            f"{k}={_num(v, '.3g') if isinstance(v, (int, float)) else 'none'}" for k, v in r["rewards"].items()
+        )
+        typer.echo(
+            f"  [{r.get('sample')}] reward {_num(r.get('reward'), '.3g')} (adv {_num(r.get('advantage'), '+.3f')}; {per})"
+            f" {r.get('tokens')} tokens, {r.get('finish')}: {_clip(r.get('completion'))}"
+        )
+        for e in r.get("errors") or ():
+            typer.echo(f"      error in {e.get('reward')}: {e.get('error')}")
+
+
+def _ranges(steps: list[int]) -> str:
+    """[1, 3, 5, 7] -> "1, 3, 5, 7"; long lists shortened to the first and last few."""
+    text = [str(s) for s in steps]
+    return ", ".join(text if len(text) <= 8 else [*text[:3], "...", *text[-3:]])
 
 
 def register(app: typer.Typer) -> None:

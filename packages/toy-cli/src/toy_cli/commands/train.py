@@ -47,7 +47,8 @@ from toy_cli.ui import (
 )
 
 train_app = typer.Typer(
-    help="Train models: from scratch, LoRA/QLoRA, full fine-tune, warm-start; `--resume RUN_DIR` continues a stopped run.",
+    help="Train models: from scratch, LoRA/QLoRA, full fine-tune, warm-start, preference tuning (DPO, ORPO, KTO) and "
+    "GRPO; `--resume RUN_DIR` continues a stopped run.",
     no_args_is_help=False,
     invoke_without_command=True,
 )
@@ -392,6 +393,369 @@ def full_cmd(
     values.update(_inspect(diagnostics, diagnostics_every, report_to, trace))
     values["mixed_cpus"] = mixed_cpus
     _finetune("full", config, values, quiet, as_json, ranks)
+
+
+# -- preference tuning and RL (toy.train.prefrun, toy.train.grpo) -------------------------
+
+_R = "Preference objective"
+_G = "GRPO"
+Adapter = Annotated[
+    str | None,
+    typer.Option(
+        "--adapter",
+        help="What is trained: lora (adapters; QLoRA on a quantized base; default) or full (every weight).",
+        rich_help_panel=_F,
+    ),
+]
+Targets = Annotated[str | None, typer.Option("--targets", help=targets_help(), rich_help_panel=_F)]
+Rank = Annotated[int | None, typer.Option("--rank", "-r", help="LoRA rank (default 8).", rich_help_panel=_F)]
+Alpha = Annotated[float | None, typer.Option("--alpha", help="LoRA alpha (default 16).", rich_help_panel=_F)]
+Dropout = Annotated[float | None, typer.Option("--dropout", help="On the LoRA inputs (default 0).", rich_help_panel=_F)]
+RsLora = Annotated[
+    bool | None,
+    typer.Option("--rslora/--no-rslora", help="Scale alpha/sqrt(rank) (rank-stabilized).", rich_help_panel=_F),
+]
+Freeze = Annotated[
+    str | None,
+    typer.Option(
+        "--freeze", help="With --adapter full: keep these as they are: embeddings, output.", rich_help_panel=_F
+    ),
+]
+Beta = Annotated[
+    float | None,
+    typer.Option("--beta", help="How strongly the policy is held to the reference (default 0.1).", rich_help_panel=_R),
+]
+PrefBatchSize = Annotated[
+    int | None, typer.Option("--batch-size", "-b", help="Pairs (examples for kto) per micro-batch.", rich_help_panel=_P)
+]
+PairsArg = Annotated[
+    list[Path] | None,
+    typer.Argument(help='JSONL pairs: {"prompt", "chosen", "rejected"} (strings or chat messages).'),
+]
+
+
+def _adapted(recipe: str, adapter: str | None, targets, rank, alpha, dropout, rslora, freeze) -> dict:
+    """The config keys of what a preference or RL run trains (``--adapter`` and the LoRA or full options)."""
+    if adapter is not None and adapter not in ("lora", "full"):
+        raise bad_input(f"--adapter {adapter!r}: lora or full")
+    lora = {"lora.targets": _list(targets, "--targets"), "lora.rank": rank, "lora.alpha": alpha,
+            "lora.dropout": dropout, "lora.rslora": rslora}  # fmt: skip
+    given = [k for k, v in lora.items() if v is not None]
+    if adapter == "full" and given:
+        flag = "--" + given[0].split(".")[1]
+        raise bad_input(f"{flag} is a LoRA option; this run trains every weight (--adapter full)")
+    if freeze is not None and adapter != "full":
+        raise bad_input("--freeze is for a full fine-tune: add --adapter full")
+    return {"adapter": adapter, **lora, "freeze": _list(freeze, "--freeze")}
+
+
+def _pref_run(recipe: str, config: Path | None, adapter: str | None, values: dict, quiet: bool, as_json: bool) -> None:
+    """A preference or RL recipe: like ``_finetune``, with the defaults of the ``--adapter`` kind."""
+    with cli_errors():
+        from toy.train import config as C
+
+        under = _project("lora")  # the project's base model, as for the lora and full recipes
+        if config:
+            cfg = C.load_toml(config, recipe=recipe, under=under, adapter=adapter)
+        else:
+            cfg = C.defaults(recipe, under, adapter=adapter)
+        cfg = C.override(cfg, **values)
+    from toy.train.lmrun import train
+
+    run_training(lambda hooks: train(cfg, hooks), quiet, as_json)
+
+
+@train_app.command("dpo")
+def dpo_cmd(
+    paths: PairsArg = None,
+    model: Base = None,
+    config: Config = None,
+    adapter: Adapter = None,
+    beta: Beta = None,
+    loss: Annotated[
+        str | None,
+        typer.Option(
+            "--loss",
+            help="sigmoid (DPO, default), ipo, robust (with --label-smoothing) or hinge.",
+            rich_help_panel=_R,
+        ),
+    ] = None,
+    label_smoothing: Annotated[
+        float | None,
+        typer.Option(
+            "--label-smoothing", help="Robust DPO: the assumed share of flipped pairs, in [0, 0.5).", rich_help_panel=_R
+        ),
+    ] = None,
+    targets: Targets = None,
+    rank: Rank = None,
+    alpha: Alpha = None,
+    dropout: Dropout = None,
+    rslora: RsLora = None,
+    freeze: Freeze = None,
+    max_length: MaxLen = None,
+    overflow: Overflow = None,
+    steps: Steps = None,
+    batch_size: PrefBatchSize = None,
+    context: Ctx = None,
+    grad_accum: Accum = None,
+    seed: Seed = None,
+    eval_every: EvalEvery = None,
+    save_every: SaveEvery = None,
+    out: RunsOut = None,
+    device: TrainDevice = None,
+    threads: TrainThreads = None,
+    lr: Lr = None,
+    schedule: Schedule = None,
+    warmup: Warmup = None,
+    diagnostics: Diagnostics = None,
+    diagnostics_every: DiagEvery = None,
+    report_to: ReportTo = None,
+    trace: Trace = None,
+    quiet: Quiet = False,
+    as_json: JsonSummary = False,
+) -> None:
+    """DPO: prefer the chosen completion over the rejected one, against the frozen base as reference (LoRA, QLoRA or full)."""
+    values = _common(paths, model, max_length, overflow, steps, batch_size, context, grad_accum, seed, eval_every,
+                     save_every, out, device, threads, lr, schedule, warmup)  # fmt: skip
+    values.update(_adapted("dpo", adapter, targets, rank, alpha, dropout, rslora, freeze))
+    values.update({"pref.beta": beta, "pref.loss_type": loss, "pref.label_smoothing": label_smoothing})
+    values.update(_inspect(diagnostics, diagnostics_every, report_to, trace))
+    _pref_run("dpo", config, adapter, values, quiet, as_json)
+
+
+@train_app.command("orpo")
+def orpo_cmd(
+    paths: PairsArg = None,
+    model: Base = None,
+    config: Config = None,
+    adapter: Adapter = None,
+    lam: Annotated[
+        float | None,
+        typer.Option(
+            "--lambda", help="Weight of the odds-ratio term next to the SFT loss (default 0.1).", rich_help_panel=_R
+        ),
+    ] = None,
+    targets: Targets = None,
+    rank: Rank = None,
+    alpha: Alpha = None,
+    dropout: Dropout = None,
+    rslora: RsLora = None,
+    freeze: Freeze = None,
+    max_length: MaxLen = None,
+    overflow: Overflow = None,
+    steps: Steps = None,
+    batch_size: PrefBatchSize = None,
+    context: Ctx = None,
+    grad_accum: Accum = None,
+    seed: Seed = None,
+    eval_every: EvalEvery = None,
+    save_every: SaveEvery = None,
+    out: RunsOut = None,
+    device: TrainDevice = None,
+    threads: TrainThreads = None,
+    lr: Lr = None,
+    schedule: Schedule = None,
+    warmup: Warmup = None,
+    diagnostics: Diagnostics = None,
+    diagnostics_every: DiagEvery = None,
+    report_to: ReportTo = None,
+    trace: Trace = None,
+    quiet: Quiet = False,
+    as_json: JsonSummary = False,
+) -> None:
+    """ORPO: SFT on the chosen completions plus an odds-ratio preference term; no reference model (LoRA, QLoRA or full)."""
+    values = _common(paths, model, max_length, overflow, steps, batch_size, context, grad_accum, seed, eval_every,
+                     save_every, out, device, threads, lr, schedule, warmup)  # fmt: skip
+    values.update(_adapted("orpo", adapter, targets, rank, alpha, dropout, rslora, freeze))
+    values["pref.orpo_lambda"] = lam
+    values.update(_inspect(diagnostics, diagnostics_every, report_to, trace))
+    _pref_run("orpo", config, adapter, values, quiet, as_json)
+
+
+@train_app.command("kto")
+def kto_cmd(
+    paths: Annotated[
+        list[Path] | None,
+        typer.Argument(
+            help='JSONL examples: {"prompt", "completion", "label": true|false} (strings or chat messages).'
+        ),
+    ] = None,
+    model: Base = None,
+    config: Config = None,
+    adapter: Adapter = None,
+    beta: Beta = None,
+    desirable_weight: Annotated[
+        float | None,
+        typer.Option("--desirable-weight", help="Loss weight of desirable examples (default 1).", rich_help_panel=_R),
+    ] = None,
+    undesirable_weight: Annotated[
+        float | None,
+        typer.Option(
+            "--undesirable-weight", help="Loss weight of undesirable examples (default 1).", rich_help_panel=_R
+        ),
+    ] = None,
+    targets: Targets = None,
+    rank: Rank = None,
+    alpha: Alpha = None,
+    dropout: Dropout = None,
+    rslora: RsLora = None,
+    freeze: Freeze = None,
+    max_length: MaxLen = None,
+    overflow: Overflow = None,
+    steps: Steps = None,
+    batch_size: PrefBatchSize = None,
+    context: Ctx = None,
+    grad_accum: Accum = None,
+    seed: Seed = None,
+    eval_every: EvalEvery = None,
+    save_every: SaveEvery = None,
+    out: RunsOut = None,
+    device: TrainDevice = None,
+    threads: TrainThreads = None,
+    lr: Lr = None,
+    schedule: Schedule = None,
+    warmup: Warmup = None,
+    diagnostics: Diagnostics = None,
+    diagnostics_every: DiagEvery = None,
+    report_to: ReportTo = None,
+    trace: Trace = None,
+    quiet: Quiet = False,
+    as_json: JsonSummary = False,
+) -> None:
+    """KTO: learn from completions labelled desirable or undesirable (unpaired), against the frozen base as reference."""
+    values = _common(paths, model, max_length, overflow, steps, batch_size, context, grad_accum, seed, eval_every,
+                     save_every, out, device, threads, lr, schedule, warmup)  # fmt: skip
+    values.update(_adapted("kto", adapter, targets, rank, alpha, dropout, rslora, freeze))
+    values.update({"pref.beta": beta, "pref.desirable_weight": desirable_weight,
+                   "pref.undesirable_weight": undesirable_weight})  # fmt: skip
+    values.update(_inspect(diagnostics, diagnostics_every, report_to, trace))
+    _pref_run("kto", config, adapter, values, quiet, as_json)
+
+
+@train_app.command("grpo")
+def grpo_cmd(
+    paths: Annotated[
+        list[Path] | None,
+        typer.Argument(help='JSONL prompts: {"prompt": text or chat messages, ...fields the rewards read}.'),
+    ] = None,
+    model: Base = None,
+    config: Config = None,
+    reward: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--reward",
+            help="A reward function (repeatable): exact_answer[=REGEX], regex=PATTERN, json[=SCHEMA], length=N, "
+            "or module:function.",
+            rich_help_panel=_G,
+        ),
+    ] = None,
+    reward_weight: Annotated[
+        list[float] | None,
+        typer.Option(
+            "--reward-weight", help="One weight per --reward, in order (default: 1 each).", rich_help_panel=_G
+        ),
+    ] = None,
+    group: Annotated[
+        int | None, typer.Option("--group", help="Completions sampled per prompt (default 8).", rich_help_panel=_G)
+    ] = None,
+    max_new_tokens: Annotated[
+        int | None,
+        typer.Option("--max-new-tokens", help="A completion's token budget (default 64).", rich_help_panel=_G),
+    ] = None,
+    temperature: Annotated[
+        float | None, typer.Option("--temperature", help="Sampling temperature (default 1).", rich_help_panel=_G)
+    ] = None,
+    top_p: Annotated[
+        float | None, typer.Option("--top-p", help="Nucleus sampling (default 1: off).", rich_help_panel=_G)
+    ] = None,
+    top_k: Annotated[
+        int | None, typer.Option("--top-k", help="Top-k sampling (default 0: off).", rich_help_panel=_G)
+    ] = None,
+    beta: Annotated[
+        float | None,
+        typer.Option("--beta", help="KL penalty to the reference (default 0: none).", rich_help_panel=_G),
+    ] = None,
+    epsilon: Annotated[
+        float | None, typer.Option("--epsilon", help="Clip range (default 0.2).", rich_help_panel=_G)
+    ] = None,
+    epsilon_high: Annotated[
+        float | None,
+        typer.Option("--epsilon-high", help="Upper clip range (default: --epsilon).", rich_help_panel=_G),
+    ] = None,
+    iterations: Annotated[
+        int | None,
+        typer.Option("--iterations", help="Optimizer steps per rollout batch (default 1).", rich_help_panel=_G),
+    ] = None,
+    loss: Annotated[
+        str | None,
+        typer.Option(
+            "--loss", help="dapo (default), grpo, bnpo or dr_grpo: the loss normalization.", rich_help_panel=_G
+        ),
+    ] = None,
+    scale_rewards: Annotated[
+        str | None,
+        typer.Option(
+            "--scale-rewards",
+            help="Advantages divided by the std of: group (default), batch, none.",
+            rich_help_panel=_G,
+        ),
+    ] = None,
+    mask_truncated: Annotated[
+        bool | None,
+        typer.Option(
+            "--mask-truncated/--no-mask-truncated",
+            help="Completions cut at --max-new-tokens carry no loss.",
+            rich_help_panel=_G,
+        ),
+    ] = None,
+    adapter: Adapter = None,
+    targets: Targets = None,
+    rank: Rank = None,
+    alpha: Alpha = None,
+    dropout: Dropout = None,
+    rslora: RsLora = None,
+    freeze: Freeze = None,
+    max_length: MaxLen = None,
+    overflow: Overflow = None,
+    steps: Steps = None,
+    batch_size: Annotated[
+        int | None,
+        typer.Option(
+            "--batch-size",
+            "-b",
+            help="Completions per micro-batch (a multiple of --group, with --grad-accum).",
+            rich_help_panel=_P,
+        ),
+    ] = None,
+    context: Ctx = None,
+    grad_accum: Accum = None,
+    seed: Seed = None,
+    eval_every: EvalEvery = None,
+    save_every: SaveEvery = None,
+    out: RunsOut = None,
+    device: TrainDevice = None,
+    threads: TrainThreads = None,
+    lr: Lr = None,
+    schedule: Schedule = None,
+    warmup: Warmup = None,
+    diagnostics: Diagnostics = None,
+    diagnostics_every: DiagEvery = None,
+    report_to: ReportTo = None,
+    trace: Trace = None,
+    quiet: Quiet = False,
+    as_json: JsonSummary = False,
+) -> None:
+    """GRPO: sample completions of each prompt from the policy, score them with reward functions, reinforce the better ones."""
+    values = _common(paths, model, max_length, overflow, steps, batch_size, context, grad_accum, seed, eval_every,
+                     save_every, out, device, threads, lr, schedule, warmup)  # fmt: skip
+    values.update(_adapted("grpo", adapter, targets, rank, alpha, dropout, rslora, freeze))
+    values.update({"grpo.rewards": reward or None, "grpo.reward_weights": reward_weight or None, "grpo.group": group,
+                   "grpo.max_new_tokens": max_new_tokens, "grpo.temperature": temperature, "grpo.top_p": top_p,
+                   "grpo.top_k": top_k, "grpo.beta": beta, "grpo.epsilon": epsilon,
+                   "grpo.epsilon_high": epsilon_high, "grpo.iterations": iterations, "grpo.loss_type": loss,
+                   "grpo.scale_rewards": scale_rewards, "grpo.mask_truncated": mask_truncated})  # fmt: skip
+    values.update(_inspect(diagnostics, diagnostics_every, report_to, trace))
+    _pref_run("grpo", config, adapter, values, quiet, as_json)
 
 
 @train_app.command("warm-start")

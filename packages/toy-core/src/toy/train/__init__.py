@@ -12,6 +12,9 @@ GGUF base; the adapter files are ``toy.adapters``), ``recipes`` (what lora,
 full and warm-start runs set up), ``demodata`` (demo data: Python's
 documentation topics, a generated chat set), ``steploop`` (the step loop any
 training task shares: events, evals, checkpoints, stopping), ``lmrun``
-(language-model runs: ``train`` and ``resume``). Merging adapters into a
-model is ``toy.merge``.
+(language-model runs: ``train`` and ``resume``, for every recipe),
+``objectives`` (DPO, ORPO, KTO and GRPO losses in the step graph),
+``prefdata`` (preference pairs, labelled examples and prompts),
+``prefrun`` (the dpo, orpo and kto runs), ``grpo`` and ``rewards`` (GRPO:
+rollouts, reward functions). Merging adapters into a model is ``toy.merge``.
 """

@@ -1,7 +1,9 @@
 """Training configuration: dataclasses, size presets, TOML loading.
 
 A config file is TOML; its top-level keys are the fields of ``TrainConfig``
-and its tables ``[model]``, ``[data]``, ``[tokenizer]``, ``[optim]`` the
+and its tables ``[model]``, ``[data]``, ``[tokenizer]``, ``[optim]``,
+``[lora]``, ``[pref]`` (the preference objectives: ``PrefConfig``),
+``[grpo]`` (``GRPOConfig``) the
 fields of the nested dataclasses. Unknown keys and wrong types are errors
 (``ConfigError``, naming the key). CLI flags override file values
 (``override``); the resolved config (``to_dict``) is what a run records in
@@ -72,7 +74,16 @@ class DataConfig:
 
 
 #: training recipes: from random weights, or from a GGUF base
-RECIPES = ("from-scratch", "lora", "full", "warm-start")
+RECIPES = ("from-scratch", "lora", "full", "warm-start", "dpo", "orpo", "kto", "grpo")
+#: the preference-tuning recipes (``toy.train.prefrun``): pairs (dpo, orpo) or labelled examples (kto)
+PREF_RECIPES = ("dpo", "orpo", "kto")
+#: the recipes that fine-tune a GGUF base with LoRA (QLoRA) or every weight (``adapter``)
+FINETUNE_RECIPES = ("lora", "full", *PREF_RECIPES, "grpo")
+#: what ``adapter`` can name, and the recipes it applies to (the preference and RL recipes)
+ADAPTERS = ("lora", "full")
+ADAPTED_RECIPES = (*PREF_RECIPES, "grpo")
+#: ``pref.loss_type`` of DPO (``toy.train.objectives.DPOLoss``)
+DPO_LOSSES = ("sigmoid", "ipo", "robust", "hinge")
 
 
 @dataclass
@@ -124,6 +135,112 @@ class LoraConfig:
 
 
 @dataclass
+class PrefConfig:
+    """The preference objectives' hyper-parameters (``toy.train.objectives``;
+    TRL's names and defaults): ``beta`` (DPO, KTO: the strength of the
+    reference's pull), ``loss_type`` and ``label_smoothing`` (DPO),
+    ``orpo_lambda`` (ORPO: the weight of the odds-ratio term), and KTO's
+    weights of desirable and undesirable examples."""
+
+    beta: float = 0.1
+    loss_type: str = "sigmoid"  # dpo: sigmoid | ipo | robust | hinge
+    label_smoothing: float = 0.0  # dpo (robust): the assumed share of flipped labels, in [0, 0.5)
+    orpo_lambda: float = 0.1  # orpo
+    desirable_weight: float = 1.0  # kto
+    undesirable_weight: float = 1.0  # kto
+
+    def validate(self) -> PrefConfig:
+        if not math.isfinite(self.beta) or self.beta <= 0:
+            raise ConfigError(f"pref.beta={self.beta} must be > 0")
+        if self.loss_type not in DPO_LOSSES:
+            raise ConfigError(f"pref.loss_type={self.loss_type!r}: one of {', '.join(DPO_LOSSES)}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"pref.label_smoothing={self.label_smoothing} must be in [0, 0.5)")
+        if self.label_smoothing and self.loss_type != "robust":
+            raise ConfigError(
+                f"pref.label_smoothing applies to the robust loss only, not {self.loss_type!r} (as in TRL)",
+                hint="set pref.loss_type = robust, or leave label_smoothing at 0",
+            )
+        if not math.isfinite(self.orpo_lambda) or self.orpo_lambda < 0:
+            raise ConfigError(f"pref.orpo_lambda={self.orpo_lambda} must be >= 0")
+        for k in ("desirable_weight", "undesirable_weight"):
+            v = getattr(self, k)
+            if not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"pref.{k}={v} must be > 0")
+        return self
+
+
+#: ``grpo.loss_type`` (``toy.train.objectives.GRPOLoss``) and ``grpo.scale_rewards`` (TRL's names)
+GRPO_LOSSES = ("dapo", "grpo", "bnpo", "dr_grpo")
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+@dataclass
+class GRPOConfig:
+    """GRPO's settings (``toy.train.grpo``; TRL's GRPOConfig names where it
+    has them). A step's ``batch_size * grad_accum`` rows are completions,
+    ``group`` of them per prompt; ``rewards`` names the reward functions
+    (``toy.train.rewards``: a built-in ``NAME`` or ``NAME=ARG``, or
+    ``module:function``), ``reward_weights`` one weight each (None: 1.0)."""
+
+    group: int = 8  # completions per prompt (>= 2)
+    max_new_tokens: int = 64  # a completion's budget (prompt + this must fit the context)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+    epsilon: float = 0.2  # the clip range's lower side
+    epsilon_high: float | None = None  # its upper side (None: epsilon)
+    iterations: int = 1  # optimizer steps per rollout batch (TRL's num_iterations)
+    beta: float = 0.0  # the KL penalty to the reference (0: none, TRL's default)
+    loss_type: str = "dapo"  # of GRPO_LOSSES
+    scale_rewards: str = "group"  # of SCALE_REWARDS
+    mask_truncated: bool = False  # completions cut at max_new_tokens carry no loss
+    rewards: list[str] = field(default_factory=list)
+    reward_weights: list[float] | None = None
+    rollout_slots: int = 0  # sequences decoded at once (0: min(rows per step, 32))
+
+    def validate(self) -> GRPOConfig:
+        checks = [
+            (self.group >= 2, f"grpo.group={self.group} must be >= 2"),
+            (self.max_new_tokens >= 1, f"grpo.max_new_tokens={self.max_new_tokens} must be >= 1"),
+            (
+                math.isfinite(self.temperature) and self.temperature > 0,
+                f"grpo.temperature={self.temperature} must be > 0",
+            ),
+            (0 < self.top_p <= 1, f"grpo.top_p={self.top_p} must be in (0, 1]"),
+            (self.top_k >= 0, f"grpo.top_k={self.top_k} must be >= 0"),
+            (0 <= self.min_p < 1, f"grpo.min_p={self.min_p} must be in [0, 1)"),
+            (math.isfinite(self.epsilon) and self.epsilon >= 0, f"grpo.epsilon={self.epsilon} must be >= 0"),
+            (
+                self.epsilon_high is None or (math.isfinite(self.epsilon_high) and self.epsilon_high >= 0),
+                f"grpo.epsilon_high={self.epsilon_high} must be >= 0",
+            ),
+            (self.iterations >= 1, f"grpo.iterations={self.iterations} must be >= 1"),
+            (math.isfinite(self.beta) and self.beta >= 0, f"grpo.beta={self.beta} must be >= 0"),
+            (self.loss_type in GRPO_LOSSES, f"grpo.loss_type={self.loss_type!r}: one of {', '.join(GRPO_LOSSES)}"),
+            (
+                self.scale_rewards in SCALE_REWARDS,
+                f"grpo.scale_rewards={self.scale_rewards!r}: one of {', '.join(SCALE_REWARDS)}",
+            ),
+            (bool(self.rewards), "grpo.rewards: name at least one reward function (--reward)"),
+            (
+                self.reward_weights is None or len(self.reward_weights) == len(self.rewards),
+                f"grpo.reward_weights: {len(self.reward_weights or [])} weight(s) for {len(self.rewards)} reward(s)",
+            ),
+            (
+                all(math.isfinite(w) for w in self.reward_weights or []),
+                f"grpo.reward_weights {self.reward_weights!r}: each must be a finite number",
+            ),
+            (self.rollout_slots >= 0, f"grpo.rollout_slots={self.rollout_slots} must be >= 0"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(msg)
+        return self
+
+
+@dataclass
 class WarmStartConfig:
     layers: list[int] | None = None  # donor blocks copied where shapes match (None: every such block)
     project: str = "pca"  # embeddings of another width: pca (top principal directions) | truncate
@@ -158,8 +275,12 @@ class ReportConfig:
 @dataclass
 class TrainConfig:
     recipe: str = "from-scratch"  # one of RECIPES
-    base: str | None = None  # lora, full: the model fine-tuned; warm-start: the donor (path or name)
+    base: str | None = None  # lora, full, dpo, orpo, kto, grpo: the model fine-tuned; warm-start: the donor
+    # dpo, orpo, kto, grpo: what is trained: "lora" (adapters; QLoRA on a quantized base) or "full" (every weight)
+    adapter: str = "lora"
     lora: LoraConfig = field(default_factory=LoraConfig)
+    pref: PrefConfig = field(default_factory=PrefConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     freeze: list[str] = field(default_factory=list)  # full: "embeddings" and/or "output" stay as they are
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     model: ModelShape = field(default_factory=ModelShape)
@@ -241,11 +362,40 @@ def _build(cls, data: dict[str, Any], prefix: str = ""):
 
 
 #: defaults that differ by recipe (fine-tuning a pretrained model wants a
-#: smaller learning rate than training from random weights, and longer rows)
+#: smaller learning rate than training from random weights, and longer rows);
+#: ``"<recipe>+full"``: what differs when such a recipe trains every weight
+#: (``adapter = "full"``).
+#:
+#: The preference recipes (batch_size counts pairs for dpo and orpo: 4 pairs
+#: are 8 rows): a full fine-tune takes TRL's default learning rate of
+#: DPOConfig, ORPOConfig and KTOConfig, 1e-6; LoRA takes 5e-5 — LoRA wants a
+#: larger rate than a full fine-tune (its updates pass through the small B·A
+#: product, which starts at zero), and 5e-5 is a twentieth of toy's SFT LoRA
+#: rate (1e-3): a preference loss is a difference of two sequences' summed
+#: log-probabilities, whose gradients are several times an SFT step's, and
+#: DPO drifts (both sequences' likelihoods fall) at SFT-like rates. On
+#: SmolLM2-135M-Instruct with rank 16, 5e-5 moves held-out preference
+#: accuracy within a few dozen steps (docs/guide/preference-tuning.md).
+_PREF_DEFAULTS: dict[str, Any] = {"optim": {"lr": 5e-5}, "batch_size": 4, "context": 256}
 RECIPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "lora": {"optim": {"lr": 1e-3}, "batch_size": 4, "context": 256},
     "full": {"optim": {"lr": 2e-5}, "batch_size": 4, "context": 256},
+    **{r: _PREF_DEFAULTS for r in PREF_RECIPES},
+    **{f"{r}+full": {"optim": {"lr": 1e-6}} for r in PREF_RECIPES},
+    # grpo: batch_size counts completions (8: one group of TRL's default 8 generations); the LoRA rate is a
+    # starting point, not measured on a long run; full: TRL's GRPOConfig default
+    "grpo": {"optim": {"lr": 1e-5}, "batch_size": 8, "context": 256},
+    "grpo+full": {"optim": {"lr": 1e-6}},
 }
+
+
+def recipe_defaults(recipe: str, adapter: str | None = None) -> dict[str, Any]:
+    """``RECIPE_DEFAULTS`` of ``recipe`` (nested), with its ``+full`` entry
+    over them when ``adapter`` is "full"."""
+    out = RECIPE_DEFAULTS.get(recipe, {})
+    if adapter == "full":
+        out = _merge(out, RECIPE_DEFAULTS.get(f"{recipe}+full", {}))
+    return out
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -260,21 +410,31 @@ def from_dict(data: dict[str, Any]) -> TrainConfig:
     return validate(_build(TrainConfig, data))
 
 
-def defaults(recipe: str = "from-scratch", under: dict[str, Any] | None = None) -> TrainConfig:
+def defaults(
+    recipe: str = "from-scratch", under: dict[str, Any] | None = None, *, adapter: str | None = None
+) -> TrainConfig:
     """The default config of a recipe (``RECIPE_DEFAULTS`` over the dataclass
     defaults, then ``under``: nested values such as a project's, see
-    ``toy.project.Project.train_defaults``)."""
+    ``toy.project.Project.train_defaults``). ``adapter`` (the preference
+    recipes: "lora" or "full") picks that kind's defaults and is set."""
     if recipe not in RECIPES:
         raise ConfigError(f"recipe {recipe!r} is not one of {', '.join(RECIPES)}")
+    adapter = adapter or (under or {}).get("adapter")
+    base = _merge({"recipe": recipe}, recipe_defaults(recipe, adapter))
+    if adapter is not None:
+        base["adapter"] = adapter
     # not validated: a fine-tuning recipe's base comes later (``override`` validates)
-    return _build(TrainConfig, _merge(_merge({"recipe": recipe}, RECIPE_DEFAULTS.get(recipe, {})), under or {}))
+    return _build(TrainConfig, _merge(base, under or {}))
 
 
-def load_toml(path: str | Path, recipe: str | None = None, under: dict[str, Any] | None = None) -> TrainConfig:
+def load_toml(
+    path: str | Path, recipe: str | None = None, under: dict[str, Any] | None = None, *, adapter: str | None = None
+) -> TrainConfig:
     """A config file over the defaults of ``recipe`` (default: the file's
     ``recipe`` key, else from-scratch) and ``under`` (nested values between
     the defaults and the file: a project's); a file naming another recipe is
-    an error."""
+    an error. The defaults are those of ``adapter`` (a flag), else of the
+    file's ``adapter`` key."""
     p = Path(path)
     try:
         regular_file(p)  # a FIFO would block the read, /dev/zero never ends
@@ -292,7 +452,8 @@ def load_toml(path: str | Path, recipe: str | None = None, under: dict[str, Any]
     r = recipe or named or "from-scratch"
     if not isinstance(r, str) or r not in RECIPES:
         raise ConfigError(f"{p}: recipe {r!r} is not one of {', '.join(RECIPES)}")
-    base = _merge(_merge({"recipe": r}, RECIPE_DEFAULTS.get(r, {})), under or {})
+    kind = adapter or data.get("adapter") or (under or {}).get("adapter")
+    base = _merge(_merge({"recipe": r}, recipe_defaults(r, kind if isinstance(kind, str) else None)), under or {})
     cfg = _build(TrainConfig, _merge(base, data))
     # a fine-tuning file may leave ``base`` to the command line: ``override``
     # and ``train`` validate the final config
@@ -373,6 +534,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     checks += [
         (cfg.recipe in RECIPES, f"recipe {cfg.recipe!r} is not one of {', '.join(RECIPES)}"),
         (cfg.recipe == "from-scratch" or bool(cfg.base), f"recipe {cfg.recipe!r} needs a base model (base)"),
+        (cfg.adapter in ADAPTERS, f'adapter={cfg.adapter!r}: "lora" or "full"'),
+        (
+            cfg.adapter == "lora" or cfg.recipe in ADAPTED_RECIPES,
+            f"adapter={cfg.adapter!r} is for the recipes {', '.join(ADAPTED_RECIPES)}, not {cfg.recipe!r}",
+        ),
         (cfg.data.overflow in ("truncate", "drop"), f'data.overflow={cfg.data.overflow!r}: "truncate" or "drop"'),
         (
             cfg.data.max_length is None or 2 <= cfg.data.max_length <= cfg.context + 1,
@@ -401,8 +567,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
-    if cfg.recipe == "lora":
+    if cfg.recipe == "lora" or (cfg.recipe in ADAPTED_RECIPES and cfg.adapter == "lora"):
         cfg.lora.validate()
+    if cfg.recipe in PREF_RECIPES:
+        cfg.pref.validate()
+    if cfg.recipe == "grpo":
+        cfg.grpo.validate()
     try:
         cfg.optim.validate()
     except BadInputError as e:
@@ -414,14 +584,24 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 
 __all__ = [
+    "ADAPTED_RECIPES",
+    "ADAPTERS",
     "DIAGNOSTICS",
+    "DPO_LOSSES",
+    "FINETUNE_RECIPES",
+    "GRPO_LOSSES",
+    "PREF_RECIPES",
     "RECIPES",
+    "RECIPE_DEFAULTS",
     "REPORT_TO",
+    "SCALE_REWARDS",
     "ConfigError",
     "DataConfig",
     "DiagnosticsConfig",
     "ReportConfig",
     "LoraConfig",
+    "GRPOConfig",
+    "PrefConfig",
     "WarmStartConfig",
     "ModelShape",
     "TokenizerConfig",
@@ -430,6 +610,7 @@ __all__ = [
     "from_dict",
     "load_toml",
     "override",
+    "recipe_defaults",
     "resolve_shape",
     "to_dict",
     "validate",

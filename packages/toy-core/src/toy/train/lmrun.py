@@ -73,6 +73,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,7 @@ from toy.train import checkpoint, recipes
 from toy.train import data as D
 from toy.train import distributed as dist
 from toy.train.bpe import METADATA_TYPES, train_bpe
-from toy.train.config import TrainConfig, from_dict, to_dict, validate
+from toy.train.config import PREF_RECIPES, TrainConfig, from_dict, to_dict, validate
 from toy.train.diagnostics import Diagnostics
 from toy.train.model import ArchTrain, init_params, model_config
 from toy.train.stepgraph import TrainEngine
@@ -415,7 +416,23 @@ def train(cfg: TrainConfig, hooks: Hooks | None = None) -> RunResult:
         check_output_dir(runs_dir(cfg.out), "runs folder (out)")  # before the tokenizer is trained
     report.check_available(cfg.report.to)  # a missing extra stops the run before its folder exists
     data = dataclasses.replace(cfg.data, paths=[str(Path(p).expanduser().absolute()) for p in cfg.data.paths])
-    return _Run(dataclasses.replace(cfg, data=data), rank_hooks(hooks or Hooks(), world), world=world).run()
+    run = _run_class(cfg.recipe)
+    return run(dataclasses.replace(cfg, data=data), rank_hooks(hooks or Hooks(), world), world=world).run()
+
+
+def _run_class(recipe: str) -> Callable[..., StepRun]:
+    """The run of a recipe: the preference recipes' (``toy.train.prefrun``),
+    GRPO's (``toy.train.grpo``), else ``_Run``; each takes ``_Run``'s arguments.
+    Imported here, not at the top: both modules build on this one."""
+    if recipe in PREF_RECIPES:
+        from toy.train.prefrun import PrefRun
+
+        return PrefRun
+    if recipe == "grpo":
+        from toy.train.grpo import GRPORun
+
+        return GRPORun
+    return _Run
 
 
 def resume(run_dir: str | Path, hooks: Hooks | None = None, *, steps: int | None = None) -> RunResult:
@@ -444,7 +461,8 @@ def resume(run_dir: str | Path, hooks: Hooks | None = None, *, steps: int | None
                     f"{run_dir}: already at step {ck.step} of {cfg.steps}",
                     hint="pass --steps N with a larger N to go on",
                 )
-            run = _Run(cfg, hooks, resume_from=Path(run_dir), ckpt=ck, lock=lock, notes=notes, world=world)
+            make = _run_class(cfg.recipe)
+            run = make(cfg, hooks, resume_from=Path(run_dir), ckpt=ck, lock=lock, notes=notes, world=world)
     except BaseException:
         if lock is not None:
             lock.release()

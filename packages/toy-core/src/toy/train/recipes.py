@@ -16,6 +16,11 @@ values and how a checkpoint's model file is written.
   as they are (bound from the file, not trained). Instruction data.
   Checkpoints are full models carrying the base's metadata (tokenizer, chat
   template, architecture keys) with F32 weights.
+- ``dpo``, ``orpo``, ``kto`` (preference tuning, ``toy.train.prefrun``)
+  and ``grpo`` (``toy.train.grpo``): the lora or the full set-up, as
+  ``adapter`` says, on the recipe's own data (``setup(..., data=)``:
+  preference pairs, labelled examples, prompts) instead of instruction
+  JSONL; the checkpoints are the same adapters or full models.
 - ``warm-start``: a new model of the configured shape whose token embedding
   comes from a donor (``base``) — projected onto the new width when the
   widths differ — and whose blocks are the donor's where every tensor's
@@ -49,7 +54,7 @@ from toy.errors import BadInputError, ToyError
 from toy.gguf import GGUFFile, GGUFWriter, TypeInfo, ValueType, bind_tensors, copy_metadata
 from toy.tokenizer import ChatTemplate, Tokenizer
 from toy.train.checkpoint import tokenizer_metadata_of
-from toy.train.config import TrainConfig
+from toy.train.config import PREF_RECIPES, TrainConfig
 from toy.train.instruct import InstructData, load_examples
 from toy.train.lora import LoraTrain, adapted_weights, init_lora
 from toy.train.model import ArchTrain, init_params
@@ -121,7 +126,10 @@ def _instruct_data(cfg: TrainConfig, tokenizer, template) -> tuple[Any, dict[str
 
 def data_note(info: dict[str, Any]) -> str:
     """The log line of a fine-tuning run's data: what was read, and what was
-    truncated or dropped (never silent)."""
+    truncated or dropped (never silent). A loader that words its own line
+    gives it as ``info["note"]``."""
+    if isinstance(info.get("note"), str):
+        return info["note"]
     kinds = ", ".join(f"{k} {n}" for k, n in info["kinds"].items())
     return (
         f"data: {info['examples']} examples used ({kinds} read), {info['loss_tokens']:,} of {info['tokens']:,} "
@@ -163,14 +171,30 @@ class _Base:
             c()
 
 
-def _prepare(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> _Base:
+#: a fine-tuning run's data: ``(cfg, tokenizer, chat template) -> (data, info)``; ``data`` has
+#: ``n_train``, ``n_val``, ``batch(rows)`` and ``check_batch(batch_size)`` (``InstructData``'s interface),
+#: ``info`` is run_start's "data" (its "note", if any, the data's log line: ``data_note``)
+DataLoader = Callable[[TrainConfig, Any, Any], tuple[Any, dict[str, Any]]]
+
+
+def _data_for(cfg: TrainConfig) -> DataLoader:
+    """The recipe's data: instruction JSONL (lora, full), preference pairs
+    or labelled examples (``toy.train.prefrun.pref_data``: dpo, orpo, kto)."""
+    if cfg.recipe in PREF_RECIPES:
+        from toy.train.prefrun import pref_data
+
+        return pref_data
+    return _instruct_data
+
+
+def _prepare(cfg: TrainConfig, runtime, ckpt_state: dict | None, data_fn: DataLoader | None = None) -> _Base:
     path, sha, gf = _open_base(cfg, ckpt_state)
     closers: list[Callable[[], None]] = [gf.close]
     try:
         model_cfg = models.config_from_gguf(gf)
         _check_context(cfg, model_cfg)
         tokenizer, template, meta = _base_tokenizer(gf)
-        data, info = _instruct_data(cfg, tokenizer, template)
+        data, info = (data_fn or _data_for(cfg))(cfg, tokenizer, template)
         bound = bind_tensors(gf, runtime)
         closers.append(bound.close)
     except BaseException:
@@ -183,8 +207,16 @@ def _prepare(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> _Base:
 # -- lora -------------------------------------------------------------------------
 
 
-def setup_lora(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> Setup:
-    b = _prepare(cfg, runtime, ckpt_state)
+def setup(cfg: TrainConfig, runtime, ckpt_state: dict | None, data: DataLoader | None = None) -> Setup:
+    """The set-up of a fine-tuning recipe: ``setup_lora`` or ``setup_full``
+    (the lora and full recipes by name; the preference and RL recipes by
+    ``cfg.adapter``); ``data`` replaces the recipe's data loader."""
+    kind = cfg.recipe if cfg.recipe in ("lora", "full") else cfg.adapter
+    return (setup_lora if kind == "lora" else setup_full)(cfg, runtime, ckpt_state, data=data)
+
+
+def setup_lora(cfg: TrainConfig, runtime, ckpt_state: dict | None, *, data: DataLoader | None = None) -> Setup:
+    b = _prepare(cfg, runtime, ckpt_state, data)
     path, sha, gf, model_cfg, closers = b.path, b.sha, b.gf, b.model_cfg, b.closers
     tokenizer, meta, data, info = b.tokenizer, b.meta, b.data, b.info
     try:
@@ -235,8 +267,8 @@ def setup_lora(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> Setup:
 # -- full -------------------------------------------------------------------------
 
 
-def setup_full(cfg: TrainConfig, runtime, ckpt_state: dict | None) -> Setup:
-    b = _prepare(cfg, runtime, ckpt_state)
+def setup_full(cfg: TrainConfig, runtime, ckpt_state: dict | None, *, data: DataLoader | None = None) -> Setup:
+    b = _prepare(cfg, runtime, ckpt_state, data)
     path, sha, gf, model_cfg, closers = b.path, b.sha, b.gf, b.model_cfg, b.closers
     tokenizer, meta, data, info = b.tokenizer, b.meta, b.data, b.info
     try:

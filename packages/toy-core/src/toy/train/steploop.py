@@ -385,6 +385,7 @@ class StepRun:
                     "wall_us": int(dt * 1e6),
                     "epoch": self.stream.epoch,
                 }
+                ev.update(r.metrics)  # an objective's metrics of the step (toy.train.objectives); else none
                 if r.rank_s is not None:  # several ranks
                     ev.update(comm_s=r.comm_s, sent_bytes=r.sent_bytes, rank_s_max=r.rank_s[0], rank_s_min=r.rank_s[1])
                 self.writer.event("step", **ev)
