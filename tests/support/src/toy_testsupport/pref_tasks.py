@@ -9,7 +9,9 @@ data of the learning tests and benchmarks of the preference and GRPO recipes.
   the "." one. Items and categories are split so held-out pairs use words
   the training pairs never show.
 - ``sum_prompts``: GRPO prompts "What is a + b?" with the sum as ``answer``
-  (the exact-answer reward extracts the last number of a completion).
+  (the exact-answer reward extracts the last number of a completion);
+  ``sum_split`` gives training and held-out prompts with no question in
+  common.
 
 Everything is seeded; no download.
 """
@@ -68,15 +70,31 @@ def punctuation_pairs(n_train: int, n_val: int, seed: int = 0) -> tuple[list[dic
     return make(n_train, False), make(n_val, True)
 
 
-def sum_prompts(n: int, seed: int = 0, *, low: int = 1, high: int = 9) -> list[dict]:
-    """GRPO prompts {"prompt": [user message], "answer": "<a + b>"}."""
+def sum_prompts(
+    n: int, seed: int = 0, *, low: int = 1, high: int = 9, instruction: str = " Reply with the number only."
+) -> list[dict]:
+    """GRPO prompts {"prompt": [user message], "answer": "<a + b>"}: the
+    question "What is a + b?" followed by ``instruction``."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
         a, b = (int(x) for x in rng.integers(low, high + 1, size=2))
-        q = f"What is {a} + {b}? Reply with the number only."
+        q = f"What is {a} + {b}?{instruction}"
         out.append({"prompt": [{"role": "user", "content": q}], "answer": str(a + b)})
     return out
+
+
+def sum_split(n_train: int, n_val: int, seed: int = 0, **kw) -> tuple[list[dict], list[dict]]:
+    """(training prompts, held-out prompts) of ``sum_prompts`` (``kw``): no
+    training question is one of the held-out ones."""
+    held_out = sum_prompts(n_val, seed + 1, **kw)
+    seen = {p["prompt"][0]["content"] for p in held_out}
+    train: list[dict] = []
+    k = 0
+    while len(train) < n_train:
+        k += 1
+        train = [p for p in sum_prompts(4 * k * n_train, seed, **kw) if p["prompt"][0]["content"] not in seen]
+    return train[:n_train], held_out
 
 
 def write_jsonl(path, rows: list[dict]) -> Path:
