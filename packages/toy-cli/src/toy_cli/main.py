@@ -68,8 +68,8 @@ COMMANDS = {
     ),
     "train": Lazy(
         _M + "train",
-        "Train models: from scratch, LoRA/QLoRA, full fine-tune, warm-start; "
-        "`--resume RUN_DIR` continues a stopped run.",
+        "Train models: from scratch, LoRA/QLoRA, full fine-tune, warm-start, preference tuning (DPO, ORPO, KTO) and "
+        "GRPO; `--resume RUN_DIR` continues a stopped run.",
         group=True,
     ),
     "eval": Lazy(
