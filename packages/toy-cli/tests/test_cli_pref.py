@@ -50,7 +50,8 @@ def work(tmp_path_factory):
         )
     (d / "pairs.jsonl").write_text("".join(json.dumps(x) + "\n" for x in pairs))
     (d / "unpaired.jsonl").write_text("".join(json.dumps(x) + "\n" for x in unpaired))
-    return {"base": base, "pairs": d / "pairs.jsonl", "unpaired": d / "unpaired.jsonl"}
+    (d / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"say {w}:", "answer": w}) + "\n" for w in WORDS))
+    return {"base": base, "pairs": d / "pairs.jsonl", "unpaired": d / "unpaired.jsonl", "prompts": d / "prompts.jsonl"}
 
 
 TINY = ["--steps", 2, "--batch-size", 2, "--context", 32, "--eval-every", 0, "--json", "-q"]
@@ -103,6 +104,28 @@ def test_a_tiny_run_records_the_flags(capsys, tmp_path, work, recipe, data, flag
         assert start["lora"]["rank"] == 4
     # the default learning rate of the kind trained (toy.train.config.RECIPE_DEFAULTS)
     assert start["config"]["optim"]["lr"] == (1e-6 if "full" in flags else 5e-5)
+
+
+def test_a_tiny_grpo_run_records_the_flags_and_shows_the_reward(capsys, tmp_path, work):
+    """toy train grpo end to end: the flags reach the run's config, the
+    progress lines show each step's mean reward, the rollouts are written."""
+    flags = ["--reward", "regex=(alpha|beta)", "--reward", "length=20", "--reward-weight", 1, "--reward-weight", 0.5]
+    flags += ["--group", 2, "--max-new-tokens", 4, "--temperature", 0.8, "--beta", 0.04, "--iterations", 2]
+    flags += ["--loss", "grpo", "--scale-rewards", "batch", "--steps", 2, "--batch-size", 4, "--context", 32]
+    code, out, err = run(
+        capsys, "train", "grpo", work["prompts"], "--model", work["base"], *flags, "--out", tmp_path / "runs"
+    )
+    assert code == 0, err
+    steps = [ln for ln in err.splitlines() if ln.startswith("step 2/2 ")]
+    assert steps and " reward " in steps[0], err
+    run_dir = next((tmp_path / "runs").iterdir())
+    start = events(run_dir)[0]
+    g = start["config"]["grpo"]
+    assert g["rewards"] == ["regex=(alpha|beta)", "length=20"] and g["reward_weights"] == [1.0, 0.5]
+    assert (g["group"], g["max_new_tokens"], g["temperature"], g["beta"], g["iterations"]) == (2, 4, 0.8, 0.04, 2)
+    assert (g["loss_type"], g["scale_rewards"]) == ("grpo", "batch")
+    assert start["config"]["optim"]["lr"] == 1e-5  # GRPO's LoRA default (toy.train.config.RECIPE_DEFAULTS)
+    assert (run_dir / "rollouts.jsonl").read_text().count("\n") == 4  # one rollout batch of 4, trained twice
 
 
 @pytest.mark.parametrize(

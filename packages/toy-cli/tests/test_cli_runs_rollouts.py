@@ -72,3 +72,25 @@ def test_show_rollouts_errors(root, tmp_path, capsys):
     (root / "kept.jsonl").rename(root / "rollouts.jsonl")
     code, out, err = run(capsys, "runs", "show", RUN, "--rollouts", "--step", "1", "--runs-dir", tmp_path / "runs")
     assert code == 0, err
+
+
+def test_show_draws_the_reward_curves(root, capsys):
+    """A GRPO run's summary: the rollouts' mean reward per step and the
+    held-out reward of each evaluation as curves (its evaluations have no
+    loss, so no empty validation-loss curve)."""
+    ev = root / "events.jsonl"
+    steps = [{"kind": "step", "t": 5.0 + n, "step": n, "loss": 0.0, "lr": 1e-3, "reward_mean": r}
+             for n, r in ((5, 0.25), (6, 0.75))]  # fmt: skip
+    evals = [{"kind": "eval", "t": 9.0 + s, "step": s, "name": "val_reward", "reward": r, "accuracy": r, "prompts": 4}
+             for s, r in ((0, 0.25), (6, 0.5))]  # fmt: skip
+    ev.write_text(ev.read_text() + "".join(json.dumps(e) + "\n" for e in [*steps, *evals]))
+    code, out, err = run(capsys, "runs", "show", RUN)
+    assert code == 0, err
+    lines = {
+        ln.split()[0] + (" " + ln.split()[1] if ln.startswith("val reward") else ""): ln
+        for ln in out.splitlines()
+        if ln.strip()
+    }
+    assert "first 0.2500 @5, last 0.7500 @6" in lines["reward"]
+    assert "first 0.2500 @0, last 0.5000 @6" in lines["val reward"]
+    assert "val_reward" not in lines and "(no values)" not in out

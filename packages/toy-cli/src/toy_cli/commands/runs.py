@@ -166,9 +166,9 @@ def _requests(run) -> dict | None:
             "median_ttft_s": median("ttft_s"), "median_tok_s": median("tok_s")}  # fmt: skip
 
 
-#: step metrics of a preference run shown as curves (``toy.train.objectives``: the share of pairs the policy
-#: prefers as the data does, and the mean reward margin)
-PREF_CURVES = ("accuracy", "margin")
+#: step metrics shown as curves: a preference run's (``toy.train.objectives``: the share of pairs the policy
+#: prefers as the data does, and the mean reward margin) and a GRPO run's mean reward of its rollouts
+STEP_CURVES = ("accuracy", "margin", "reward_mean")
 
 
 def _spark_line(label: str, pts: list, spec: str) -> str:
@@ -254,10 +254,14 @@ def _show_text(r, curves: dict, samples: list, checkpoints: list, requests: dict
         lines += ["", _spark_line("loss", curves["loss"], ".4f"), _spark_line("lr", curves["lr"], ".3g")]
     for name, pts in curves["val"].items():
         lines.append(_spark_line(name, pts, ".4f"))
-    for key in PREF_CURVES:  # a preference run's step metrics (toy.train.prefrun)
+    for key in STEP_CURVES:  # a preference run's step metrics (toy.train.prefrun), GRPO's (toy.train.grpo)
         pts = [(e["step"], e[key]) for e in r.of("step") if isinstance(e.get(key), (int, float))]
         if pts:
-            lines.append(_spark_line(key, pts, ".4f"))
+            lines.append(_spark_line("reward" if key == "reward_mean" else key, pts, ".4f"))
+    # GRPO's evaluations: the held-out prompts' mean reward (no loss)
+    pts = [(e["step"], e["reward"]) for e in r.of("eval") if isinstance(e.get("reward"), (int, float))]
+    if pts:
+        lines.append(_spark_line("val reward", pts, ".4f"))
     typer.echo("\n".join(lines))
     evals = r.of("eval")
     if evals:

@@ -7,8 +7,8 @@ run, public so that other distributions' training commands behave the same
 
 Invariants:
 
-- Progress (step, loss, lr, the step unit's rate: tok/s, or img/s for an
-  image classifier's run, ETA) goes to stderr: a rich bar on a terminal, one
+- Progress (step, loss, a GRPO run's mean reward, lr, the step unit's rate:
+  tok/s, or img/s for an image classifier's run, ETA) goes to stderr: a rich bar on a terminal, one
   line every few seconds otherwise; nothing with ``quiet``. The ETA counts
   the evaluations still to come (``evals_left`` times the last one's
   ``eval_s``). Set-up phases (tokenizing, decoding images) and the step-0
@@ -170,6 +170,8 @@ class TrainingProgress:
         unit = next((k[: -len("_per_s")] for k in ev if k.endswith("_per_s")), None)
         rate = f" {ev[f'{unit}_per_s']:,.0f} {_UNITS.get(unit, unit)}/s" if unit else ""
         info = f"loss {ev['loss']:.4f} lr {ev['lr']:.2e}{rate}"
+        if isinstance(ev.get("reward_mean"), (int, float)):  # GRPO: its surrogate loss is ~0; the reward is the figure
+            info = f"loss {ev['loss']:.4f} reward {ev['reward_mean']:.3f} lr {ev['lr']:.2e}{rate}"
         if "wall_us" in ev:
             self.step_s.append(ev["wall_us"] / 1e6)
         left = None

@@ -333,9 +333,11 @@ def lr_curve(run: Run) -> list[tuple[int, float | None]]:
 
 
 def val_curves(run: Run) -> dict[str, list[tuple[int, float | None]]]:
-    """eval name -> (step, loss) pairs (eval events that carry a step)."""
+    """eval name -> (step, loss) pairs (eval events that carry a step; an
+    evaluation without any loss, as GRPO's ``val_reward``, has no curve)."""
     names = dict.fromkeys(e["name"] for e in run.of("eval") if isinstance(e.get("name"), str))
-    return {n: c for n in names if (c := _series(run, "eval", "loss", n))}
+    curves = {n: _series(run, "eval", "loss", n) for n in names}
+    return {n: c for n, c in curves.items() if any(v is not None for _, v in c)}
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
