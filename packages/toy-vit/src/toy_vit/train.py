@@ -97,7 +97,7 @@ from toy.errors import BadInputError
 from toy.train import checkpoint
 from toy.train import distributed as dist
 from toy.train.stepgraph import ParamSpec, TrainEngine
-from toy.train.steploop import Hooks, RunResult, StepRun, TrainingIOError, rank_hooks
+from toy.train.steploop import Hooks, RunResult, StepRun, bundle_error, rank_hooks
 from toy_vit.config import ViTConfig
 from toy_vit.model import forward, graph_size, params, patchify
 from toy_vit.trainconfig import LORA_TARGETS, ViTTrainConfig, ViTTrainConfigError, from_dict, to_dict, validate
@@ -556,10 +556,7 @@ class ViTRun(StepRun):
                 )
                 self.lock = RunLock(self.writer.dir)
             self.share_run_folder()
-            for text in notes:
-                self.writer.event("note", text=text)
-                if hooks.note:
-                    hooks.note(text)
+            self.notes(notes)
         except BaseException as e:
             self.close()
             if self.lock is not None:
@@ -567,12 +564,7 @@ class ViTRun(StepRun):
             if world.distributed and world.is_root and not hasattr(self, "writer"):
                 self.share_run_folder()  # the other ranks wait for the run folder: there is none
             if isinstance(e, OSError):
-                where = e.filename or (resume_from or runs_dir(cfg.out))
-                raise TrainingIOError(
-                    f"could not {'reopen' if ckpt else 'create'} the run bundle ({where}): {e.strerror or e}; "
-                    "the run did not start",
-                    hint="free some space (or fix the folder) and try again",
-                ) from e
+                raise bundle_error(e, ckpt is not None, e.filename or (resume_from or runs_dir(cfg.out))) from e
             raise
         self.init_counters(ckpt)
         self.per_step = cfg.batch_size * cfg.grad_accum * world.size

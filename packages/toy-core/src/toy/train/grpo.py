@@ -108,7 +108,7 @@ from toy.train.objectives import GRPOLoss
 from toy.train.prefdata import PrefBatch, PrefExample, PromptData, load_pref, sequence_batch
 from toy.train.rewards import RewardSet, Scores, advantages, reward_stats
 from toy.train.stepgraph import TrainEngine
-from toy.train.steploop import Hooks, StepRun, TrainingIOError
+from toy.train.steploop import Hooks, StepRun, bundle_error
 
 F32 = toy_ggml.GGMLType.F32
 #: the name of the rollout records in a run bundle
@@ -508,21 +508,13 @@ class GRPORun(StepRun):
                 )
                 self.lock = RunLock(self.writer.dir)
                 report.attach(self.writer, cfg.report)
-            for text in [*notes, *s.notes]:
-                self.writer.event("note", text=text)
-                if hooks.note:
-                    hooks.note(text)
+            self.notes([*notes, *s.notes])
         except BaseException as e:
             self._close_partial()
             if self.lock is not None:
                 self.lock.release()
             if isinstance(e, OSError):
-                where = e.filename or (resume_from or runs_dir(cfg.out))
-                raise TrainingIOError(
-                    f"could not {'reopen' if ckpt else 'create'} the run bundle ({where}): {e.strerror or e}; "
-                    "the run did not start",
-                    hint="free some space (or fix the folder) and try again",
-                ) from e
+                raise bundle_error(e, ckpt is not None, e.filename or (resume_from or runs_dir(cfg.out))) from e
             raise
         self.init_counters(ckpt)
         self.per_step = rows

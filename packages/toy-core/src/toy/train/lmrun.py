@@ -101,6 +101,7 @@ from toy.train.steploop import (
     StepRun,
     TrainingDivergedError,
     TrainingIOError,
+    bundle_error,
     open_for_resume,
     rank_hooks,
 )
@@ -253,10 +254,7 @@ class _Run(StepRun):
                 self.lock = RunLock(self.writer.dir)
                 report.attach(self.writer, cfg.report)
             self.share_run_folder()
-            for text in [*notes, *(self.setup.notes if self.setup else [])]:
-                self.writer.event("note", text=text)
-                if hooks.note:
-                    hooks.note(text)
+            self.notes([*notes, *(self.setup.notes if self.setup else [])])
         except BaseException as e:
             self.engine.close()
             if self.setup is not None:
@@ -267,12 +265,7 @@ class _Run(StepRun):
             if world.distributed and world.is_root and not hasattr(self, "writer"):
                 self.share_run_folder()  # the other ranks wait for the run folder: there is none
             if isinstance(e, OSError):  # config.json or events.jsonl (the runs folder was checked writable)
-                where = e.filename or (resume_from or runs_dir(cfg.out))
-                raise TrainingIOError(
-                    f"could not {'reopen' if ckpt else 'create'} the run bundle ({where}): {e.strerror or e}; "
-                    "the run did not start",
-                    hint="free some space (or fix the folder) and try again",
-                ) from e
+                raise bundle_error(e, ckpt is not None, e.filename or (resume_from or runs_dir(cfg.out))) from e
             raise
         self.init_counters(ckpt)
         self.per_step = cfg.batch_size * cfg.context * cfg.grad_accum * world.size

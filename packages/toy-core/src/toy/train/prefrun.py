@@ -80,7 +80,7 @@ from toy.train import distributed as dist
 from toy.train.config import TrainConfig, to_dict
 from toy.train.lmrun import _Run, _runtime
 from toy.train.stepgraph import TrainEngine
-from toy.train.steploop import Hooks, TrainingIOError
+from toy.train.steploop import Hooks, bundle_error
 
 #: the data format of each preference recipe (``toy.train.prefdata``)
 FORMATS = {"dpo": "pairs", "orpo": "pairs", "kto": "unpaired"}
@@ -319,21 +319,13 @@ class PrefRun(_Run):
                 report.attach(self.writer, cfg.report)
             if self.ref is not None and not (self.writer.dir / REFERENCE_FILE).is_file():
                 self._save_reference(self.writer.dir / REFERENCE_FILE)
-            for text in [*notes, *s.notes]:
-                self.writer.event("note", text=text)
-                if hooks.note:
-                    hooks.note(text)
+            self.notes([*notes, *s.notes])
         except BaseException as e:
             self.close()
             if self.lock is not None:
                 self.lock.release()
             if isinstance(e, OSError):
-                where = e.filename or (resume_from or runs_dir(cfg.out))
-                raise TrainingIOError(
-                    f"could not {'reopen' if ckpt else 'create'} the run bundle ({where}): {e.strerror or e}; "
-                    "the run did not start",
-                    hint="free some space (or fix the folder) and try again",
-                ) from e
+                raise bundle_error(e, ckpt is not None, e.filename or (resume_from or runs_dir(cfg.out))) from e
             raise
         self.init_counters(ckpt)
         self.per_step = self.rows * cfg.context * cfg.grad_accum

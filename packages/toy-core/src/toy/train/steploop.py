@@ -98,6 +98,16 @@ class TrainingIOError(ToyError):
     folder): the message names it and the last good checkpoint."""
 
 
+def bundle_error(e: OSError, reopening: bool, where) -> TrainingIOError:
+    """The error of a run whose bundle (``config.json``, ``events.jsonl``)
+    could not be created or reopened: the run did not start."""
+    return TrainingIOError(
+        f"could not {'reopen' if reopening else 'create'} the run bundle ({where}): {e.strerror or e}; "
+        "the run did not start",
+        hint="free some space (or fix the folder) and try again",
+    )
+
+
 class TrainingAborted(KeyboardInterrupt):
     """A run ended at once by a ``KeyboardInterrupt``: ``run_dir``, ``step``
     (the steps done) and ``checkpoint`` (the last complete one, or None)."""
@@ -209,6 +219,13 @@ class StepRun:
     def close(self) -> None:
         self.engine.close()
         self.runtime.close()
+
+    def notes(self, texts) -> None:
+        """Each text as a ``note`` event of the run, and shown (``hooks.note``)."""
+        for text in texts:
+            self.writer.event("note", text=text)
+            if self.hooks.note:
+                self.hooks.note(text)
 
     def share_run_folder(self) -> None:
         """Several ranks, once rank 0 has made (or reopened) the run folder,
@@ -341,10 +358,7 @@ class StepRun:
         sample_every = cfg.sample_every or cfg.save_every
         diag = self.diagnostics
         try:
-            for text in diag.skipped if diag is not None and eng.step < cfg.steps else ():
-                self.writer.event("note", text=text)
-                if hooks.note:
-                    hooks.note(text)
+            self.notes(diag.skipped if diag is not None and eng.step < cfg.steps else ())
             if self.eval_at_start and eng.step == 0 and cfg.eval_every:
                 self._eval_label = EVAL_AT_START
                 try:
@@ -542,6 +556,7 @@ __all__ = [
     "TrainingAborted",
     "TrainingDivergedError",
     "TrainingIOError",
+    "bundle_error",
     "open_for_resume",
     "rank_hooks",
 ]
