@@ -233,9 +233,12 @@ def _skip_line(f: BinaryIO) -> None:
         pass
 
 
-def _read(path: Path, enc: _Encoder, *, keep_going: bool = False) -> Iterator[tuple[int, Example | str]]:
-    """(1-based line, its Example or the reason it has none) per non-blank line. A line over the record
-    bound (``toy.inputs.max_record_bytes``) raises, or with ``keep_going`` is skipped and reported."""
+def records(path: Path, *, keep_going: bool = False) -> Iterator[tuple[int, bytes | str]]:
+    """(1-based line, its bytes or why it has none) per non-blank line of a JSONL
+    file, a leading byte-order mark dropped. A line over the record bound
+    (``toy.inputs.max_record_bytes``) raises, or with ``keep_going`` is skipped
+    and reported; a file that cannot be read is a ``DataError``. The instruction
+    and preference readers (``toy.train.prefdata``) share it."""
     path, limit = regular_file(path), max_record_bytes()
     try:
         with open(path, "rb") as f:
@@ -252,12 +255,21 @@ def _read(path: Path, enc: _Encoder, *, keep_going: bool = False) -> Iterator[tu
                     break
                 raw = raw[3:] if n == 1 and raw.startswith(b"\xef\xbb\xbf") else raw
                 if raw.strip():
-                    try:
-                        yield n, enc.example(raw, str(path), n)
-                    except _Bad as e:
-                        yield n, str(e)
+                    yield n, raw
     except OSError as e:
         raise DataError(f"{path}: cannot read: {e.strerror or e}") from None
+
+
+def _read(path: Path, enc: _Encoder, *, keep_going: bool = False) -> Iterator[tuple[int, Example | str]]:
+    """(1-based line, its Example or the reason it has none) per non-blank line (``records``)."""
+    for n, raw in records(path, keep_going=keep_going):
+        if isinstance(raw, str):
+            yield n, raw
+            continue
+        try:
+            yield n, enc.example(raw, str(path), n)
+        except _Bad as e:
+            yield n, str(e)
 
 
 def length_stats(lengths: Iterable[int]) -> dict[str, float]:

@@ -91,7 +91,6 @@ import os
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from itertools import count
 from pathlib import Path
 from typing import Any
 
@@ -99,9 +98,8 @@ import numpy as np
 
 from toy.corpus import Paths
 from toy.errors import DataError
-from toy.inputs import RECORD_ENV, max_record_bytes, read_line, regular_file
 from toy.train.data import Batch
-from toy.train.instruct import _JTYPE, SHOW_TOKENS, _Bad, _Encoder, _skip_line, _str, length_stats, segments
+from toy.train.instruct import _JTYPE, SHOW_TOKENS, _Bad, _Encoder, _str, length_stats, records, segments
 
 FORMATS = ("pairs", "unpaired", "prompts")
 STYLES = ("standard", "conversational", "implicit")
@@ -284,44 +282,26 @@ class _PrefEncoder:
 def _read(
     path: Path, penc: _PrefEncoder, fmt: str | None, *, keep_going: bool = False
 ) -> Iterator[tuple[int, PrefExample | str, str | None]]:
-    """(1-based line, its example or the reason it has none, the format) per non-blank line; the format is
-    ``fmt`` or, when None, the one detected from the first line that parses."""
-    path, limit = regular_file(path), max_record_bytes()
-    try:
-        with open(path, "rb") as f:
-            for n in count(1):
-                try:
-                    raw = read_line(f, f"{path}:{n}", limit)
-                except DataError:
-                    if not keep_going:
-                        raise
-                    _skip_line(f)
-                    yield (
-                        n,
-                        f"the line is longer than {limit:,} bytes, the most one record may hold ({RECORD_ENV})",
-                        fmt,
+    """(1-based line, its example or the reason it has none, the format) per non-blank line
+    (``toy.train.instruct.records``); the format is ``fmt`` or, when None, the one detected from the
+    first line that parses."""
+    for n, raw in records(path, keep_going=keep_going):
+        if isinstance(raw, str):
+            yield n, raw, fmt
+            continue
+        try:
+            obj = penc.parse(raw)
+            if fmt is None:
+                fmt = detect(obj)
+                if fmt is None:
+                    keys = ", ".join(sorted(obj)) or "none"
+                    raise _Bad(
+                        f"cannot tell the preference format from the keys ({keys}): expected "
+                        '"chosen" and "rejected" (pairs), "label" (unpaired) or "prompt" alone (prompts)'
                     )
-                    continue
-                if not raw:
-                    break
-                raw = raw[3:] if n == 1 and raw.startswith(b"\xef\xbb\xbf") else raw
-                if not raw.strip():
-                    continue
-                try:
-                    obj = penc.parse(raw)
-                    if fmt is None:
-                        fmt = detect(obj)
-                        if fmt is None:
-                            keys = ", ".join(sorted(obj)) or "none"
-                            raise _Bad(
-                                f"cannot tell the preference format from the keys ({keys}): expected "
-                                '"chosen" and "rejected" (pairs), "label" (unpaired) or "prompt" alone (prompts)'
-                            )
-                    yield n, penc.example(obj, fmt, str(path), n), fmt
-                except _Bad as e:
-                    yield n, str(e), fmt
-    except OSError as e:
-        raise DataError(f"{path}: cannot read: {e.strerror or e}") from None
+            yield n, penc.example(obj, fmt, str(path), n), fmt
+        except _Bad as e:
+            yield n, str(e), fmt
 
 
 def _check_format(fmt: str | None) -> None:
@@ -711,23 +691,11 @@ def check_pref_file(
 def detect_file(path: str | os.PathLike) -> str | None:
     """The preference format of the first line of ``path`` that parses as a
     JSON object, or None (an instruction-tuning file, or nothing to tell)."""
-    limit = max_record_bytes()
-    try:
-        with open(regular_file(path), "rb") as f:
-            for n in count(1):
-                try:
-                    raw = read_line(f, f"{path}:{n}", limit)
-                except DataError:
-                    _skip_line(f)
-                    continue
-                if not raw:
-                    return None
-                raw = raw[3:] if n == 1 and raw.startswith(b"\xef\xbb\xbf") else raw
-                if raw.strip():
-                    try:
-                        return detect(_PrefEncoder.parse(raw))
-                    except _Bad:
-                        continue
-    except OSError as e:
-        raise DataError(f"{path}: cannot read: {e.strerror or e}") from None
+    for _, raw in records(Path(path), keep_going=True):
+        if isinstance(raw, str):  # a line over the record bound: look further
+            continue
+        try:
+            return detect(_PrefEncoder.parse(raw))
+        except _Bad:
+            continue
     return None
