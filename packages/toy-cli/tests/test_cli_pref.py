@@ -177,7 +177,9 @@ def test_sigterm_saves_and_resume_finishes(tmp_path, work):
         p.send_signal(signal.SIGTERM)
         out, err = p.communicate(timeout=120)
     finally:
-        p.kill()
+        if p.poll() is None:  # a failure above: no process is left behind
+            p.kill()
+            p.wait(timeout=30)
     assert p.returncode == 0, err
     ev = events(run_dir)
     assert ev[-1]["kind"] == "run_end" and ev[-1]["reason"] == "interrupted"

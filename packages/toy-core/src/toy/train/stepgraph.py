@@ -517,6 +517,12 @@ class TrainEngine:
         self.feed.upload(self.inputs, batch)  # checks the batch's shape
         if self.objective is not None:
             self.objective.upload(batch)
+        self._upload_labels(batch, smooth)
+        self._loss_scale.set(np.array([scale], np.float32))
+
+    def _upload_labels(self, batch, smooth: bool = False) -> None:
+        """The label rows of a batch: one-hot (zero without a target), or
+        smoothed (``label_smoothing``, with ``smooth``)."""
         keep = np.asarray(batch.loss_mask, np.float32).reshape(-1)
         targets = np.asarray(batch.targets, np.int64).reshape(-1)
         n = self.n_rows
@@ -539,7 +545,6 @@ class TrainEngine:
             lab[rows, cols] = keep > 0
         self._label_cols, self._labels_dense = cols, e > 0.0
         self._labels.set(lab)
-        self._loss_scale.set(np.array([scale], np.float32))
 
     def _before(self, micro: int) -> None:
         hook = getattr(self.model, "before_compute", None)
@@ -829,24 +834,6 @@ class TrainEngine:
         finally:
             for k, v in saved.items():
                 self.params[k].set(v)
-
-    def _upload_labels(self, batch) -> None:
-        """The one-hot label rows of a token batch (no smoothing), without
-        the objective's inputs."""
-        keep = np.asarray(batch.loss_mask, np.float32).reshape(-1)
-        targets = np.asarray(batch.targets, np.int64).reshape(-1)
-        if ((targets < 0) | (targets >= self.n_vocab))[keep > 0].any():
-            raise ValueError(f"a target is outside the vocabulary (the labels 0..{self.n_vocab - 1})")
-        rows = np.arange(self.n_rows)
-        lab = self._labels_host
-        cols = np.where(keep > 0, targets, 0)
-        if self._labels_dense:
-            lab[:] = 0.0
-        else:
-            lab[rows, self._label_cols] = 0.0
-        lab[rows, cols] = keep > 0
-        self._label_cols, self._labels_dense = cols, False
-        self._labels.set(lab)
 
     def eval_nll(self, batch) -> tuple[float, int]:
         """(sum of NLL over the batch's targets, number of targets) without
