@@ -74,6 +74,7 @@ from typing import Any, Protocol
 import numpy as np
 
 import toy_ggml
+from toy.train.config import DPO_LOSSES, GRPO_LOSSES
 
 F32 = toy_ggml.GGMLType.F32
 #: added to a target's probability before the log (module docstring)
@@ -221,9 +222,6 @@ class _Base:
 # ------------------------------------------------------------------ DPO
 
 
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "robust", "hinge")
-
-
 class DPOLoss(_Base):
     """DPO on pair batches. With h = (lp_c - ref_c) - (lp_r - ref_r), the
     sequence log-ratio margin (sums over each completion's tokens):
@@ -246,8 +244,8 @@ class DPOLoss(_Base):
 
     def __init__(self, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0):
         super().__init__()
-        if loss_type not in DPO_LOSS_TYPES:
-            raise ValueError(f"DPO loss type {loss_type!r} is not one of {', '.join(DPO_LOSS_TYPES)}")
+        if loss_type not in DPO_LOSSES:
+            raise ValueError(f"DPO loss type {loss_type!r} is not one of {', '.join(DPO_LOSSES)}")
         if not beta > 0:
             raise ValueError(f"DPO beta={beta} must be > 0")
         if loss_type == "robust" and not 0.0 <= label_smoothing < 0.5:
@@ -515,9 +513,6 @@ class KTOLoss(_Base):
 # ------------------------------------------------------------------ GRPO
 
 
-GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
-
-
 class GRPOLoss(_Base):
     """GRPO's clipped surrogate on rollout batches (TRL's GRPOTrainer with
     importance sampling at token level). Per completion token, with
@@ -562,8 +557,8 @@ class GRPOLoss(_Base):
             raise ValueError(f"GRPO temperature={temperature} must be > 0")
         self.bias_correction_kl, self.temperature = bool(bias_correction_kl), float(temperature)
         self.logit_scale = 1.0 / self.temperature
-        if loss_type not in GRPO_LOSS_TYPES:
-            raise ValueError(f"GRPO loss type {loss_type!r} is not one of {', '.join(GRPO_LOSS_TYPES)}")
+        if loss_type not in GRPO_LOSSES:
+            raise ValueError(f"GRPO loss type {loss_type!r} is not one of {', '.join(GRPO_LOSSES)}")
         if beta < 0:
             raise ValueError(f"GRPO beta={beta} must be >= 0")
         if not 0 < epsilon < 1:
@@ -653,12 +648,7 @@ class GRPOLoss(_Base):
                 self._add(kl=float(k3[cm].mean()))
 
 
-OBJECTIVES = {"dpo": DPOLoss, "orpo": ORPOLoss, "kto": KTOLoss, "grpo": GRPOLoss}
-
 __all__ = [
-    "DPO_LOSS_TYPES",
-    "GRPO_LOSS_TYPES",
-    "OBJECTIVES",
     "PROB_FLOOR",
     "SOFTPLUS_KNEE",
     "DPOLoss",
