@@ -10,8 +10,8 @@ llama.cpp half) step for step::
 "512": [...]}, "short": [...]}``), so tokenization is not measured.
 
 Protocol (stdin/stdout, one JSON object per stdout line): the script loads
-the model with ``toy.load(path, n_ctx=..., threads=...)`` (n_batch 512, F16 KV
-cache, no flash attention), runs one untimed warm-up of every step below (the
+the model with ``toy.load(path, n_ctx=..., threads=..., device=...)`` (n_batch 512, F16 KV
+cache, no flash attention; ``--device``, default as ``toy.load``'s: the GPU check runs it on a GPU), runs one untimed warm-up of every step below (the
 engine builds a compute graph per shape on first use) and prints
 ``{"ready": true, ...}``. Each ``rep`` line on stdin runs the timed steps once
 and prints their figures; ``done`` prints the peak RSS (``VmHWM``) and exits.
@@ -70,11 +70,11 @@ class _ComputeTimer:
 
 
 class ToySide:
-    def __init__(self, model: str, n_ctx: int, threads: int):
+    def __init__(self, model: str, n_ctx: int, threads: int, device: str | None = None):
         import toy
 
         t0 = time.perf_counter()
-        self.m = toy.load(model, n_ctx=n_ctx, threads=threads)
+        self.m = toy.load(model, n_ctx=n_ctx, threads=threads, device=device)
         self.load_s = time.perf_counter() - t0
         self.version = toy.__version__
 
@@ -146,6 +146,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--n-ctx", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--device", help="a device toy_ggml lists, or cpu (default: TOY_DEVICE, else auto)")
     ap.add_argument("--expect-native", metavar="DIR", help="fail unless toy_ggml is a native build from under DIR")
     args = ap.parse_args()
     ggml = ggml_info(args.expect_native)
@@ -154,7 +155,7 @@ def main() -> None:
         spec = json.load(f)
     prompts, short = spec["prompts"], spec["short"]
 
-    side = ToySide(args.model, args.n_ctx, args.threads)
+    side = ToySide(args.model, args.n_ctx, args.threads, args.device)
     side.rep(prompts, short, args.new_tokens, warm_up=True)  # warm-up: builds every graph the reps use
     eng = side.m.engine
     builds = eng.stats.graph_builds
@@ -163,6 +164,7 @@ def main() -> None:
         "toy": f"toy {side.version}",
         "load_s": side.load_s,
         "threads": side.m.runtime.threads,
+        "device": side.m.runtime.device,
         "n_ctx": side.m.n_ctx,
         "kv_bytes": eng.cache.nbytes,
         "graphs": builds,
