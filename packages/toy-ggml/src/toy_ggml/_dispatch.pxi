@@ -117,3 +117,22 @@ cdef int _require_cpu() except -1:
     if _cpu_reg == NULL:
         raise GGMLError("no CPU backend is loaded (toy_ggml loads one at import; see toy_ggml.cpu_variant())")
     return 0
+
+
+def proc_address(reg_name, fn_name):
+    """The address of the entry point ``fn_name`` that the registered backend
+    ``reg_name`` hands out (ggml_backend_reg_get_proc_address), as an integer;
+    0 when that backend has none by that name. For calling a backend's own
+    extensions from Python (ctypes), such as the CUDA module's
+    toy_cuda_supports_op (patch 0024, tools/cuda_fallbacks.py). Raises
+    GGMLError when no backend of that name is registered."""
+    cdef bytes f = str(fn_name).encode()
+    cdef ggml_backend_reg_t reg = NULL
+    cdef size_t i
+    for i in range(ggml_backend_reg_count()):
+        if ggml_backend_reg_name(ggml_backend_reg_get(i)).decode() == str(reg_name):
+            reg = ggml_backend_reg_get(i)
+            break
+    if reg == NULL:
+        raise GGMLError(f"no backend named {reg_name!r} is registered")
+    return <uintptr_t>ggml_backend_reg_get_proc_address(reg, f)

@@ -217,8 +217,12 @@ cdef class Context(_ContextBase):
     def sum_sqr(self, Tensor a):
         """Sum of the squares of all elements, shape (1,): ``sum(sqr(a))`` bit for bit (patch 0017), in
         one pass over ``a`` with its rows spread over the threads and no squared copy. The rows' elements
-        must be consecutive. No gradient flows through it."""
+        must be consecutive. No gradient flows through it. In a context whose
+        ``toy_ops`` is False: ``sum(sqr(a))`` itself (the standard ops, for a
+        device without SUM_SQR)."""
         self._in1(a); _f32(a, "sum_sqr"); _elems_contig(a, "sum_sqr")
+        if not self.toy_ops:
+            return self._r(ggml_sum(self.ptr, ggml_sqr(self.ptr, a.ptr)), 1)
         return self._r(ggml_sum_sqr(self.ptr, a.ptr), 1)
 
     def sum_rows(self, Tensor a):
@@ -715,8 +719,10 @@ cdef class Context(_ContextBase):
         1/(1-beta1^t), 1/(1-beta2^t)]. ``scale``, an F32 tensor of one element
         (e.g. a clipping factor computed in the graph), multiplies the gradient
         first: the result of ``opt_step_adamw(param, mul(grad, scale), ...)`` bit
-        for bit, without the scaled copy (patch 0017)."""
-        self._room(2)
+        for bit, without the scaled copy (patch 0017); in a context whose
+        ``toy_ops`` is False, that ``mul`` and ``opt_step_adamw`` themselves (the
+        standard ops, for a device without OPT_STEP_ADAMW_SCALED)."""
+        self._room(3)
         for t in (param, grad, m, v, hparams):
             (<Tensor>t)._ok(); self._use(<Tensor>t)
         if scale is not None:
@@ -732,6 +738,11 @@ cdef class Context(_ContextBase):
             raise ValueError("opt_step_adamw: param, grad, m, v must have one shape")
         if ggml_nelements(hparams.ptr) != 7:
             raise ValueError(f"opt_step_adamw: hparams must have 7 values, got {ggml_nelements(hparams.ptr)}")
+        if scale is not None and not self.toy_ops:
+            return self._r(
+                ggml_opt_step_adamw(self.ptr, param.ptr, ggml_mul(self.ptr, grad.ptr, scale.ptr), m.ptr, v.ptr, hparams.ptr),
+                param._ndim,
+            )
         if scale is not None:
             return self._r(
                 ggml_opt_step_adamw_scaled(self.ptr, param.ptr, grad.ptr, m.ptr, v.ptr, hparams.ptr, scale.ptr), param._ndim

@@ -358,6 +358,16 @@ cdef class Runtime(_Handle):
                 return False
         return True
 
+    @property
+    def toy_ops(self):
+        """Whether every backend here has toy's own ops (patch 0017's SUM_SQR
+        and OPT_STEP_ADAMW_SCALED): True when every backend runs toy's CPU
+        kernels (as ``cpu_gemm``). Graph builders set their contexts'
+        ``toy_ops`` from it, so that a GPU gets the standard ops those equal
+        (``Context.sum_sqr``, ``Context.opt_step_adamw``) instead of nodes it
+        would leave to the CPU."""
+        return self.cpu_gemm
+
     cdef int _prepare(self, Graph graph) except -1:
         self._check_open()
         graph._ok()

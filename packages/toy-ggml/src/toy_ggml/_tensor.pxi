@@ -159,11 +159,15 @@ cdef class _ContextBase(_Handle):
     cdef readonly int max_tensors
     # the default of ``Context.mul_mat``'s ``gemm`` for this context's products
     cdef public bint gemm
+    # whether sum_sqr and a scaled opt_step_adamw build toy's own ops (patch 0017; True) or the standard
+    # ops they equal (False: for a runtime whose backends lack them, ``Runtime.toy_ops``)
+    cdef public bint toy_ops
 
     def __cinit__(self, int max_tensors=1024, int graph_size=0, *args, **kwargs):
         self.ptr = NULL
         self._buffers = []
         self.gemm = False
+        self.toy_ops = True
 
     def __init__(self, int max_tensors=1024, int graph_size=0):
         """``max_tensors``: tensors (op results included) the context holds
@@ -432,6 +436,16 @@ cdef class Tensor:
     def address(self):
         """The ggml_tensor pointer as an integer (identity across wrappers)."""
         return <uintptr_t>self.ptr
+
+    @property
+    def op_params(self):
+        """ggml's ``op_params`` of this node: its 16 int32 words, as the op
+        stored them (floats by their bits). For reading a graph's switches
+        from outside, such as patch 0004's row-invariant hint in word 1 of a
+        MUL_MAT (tools/cuda_fallbacks.py)."""
+        self._ok()
+        cdef int i
+        return tuple([self.ptr.op_params[i] for i in range(16)])
 
     @property
     def sources(self):

@@ -346,6 +346,7 @@ class TrainEngine:
         """A context for a graph's ops, with the model's product kernel (``gemm``)."""
         ops = toy_ggml.Context(**kw)
         ops.gemm = bool(getattr(self.model, "gemm", False)) and self.runtime.cpu_gemm
+        ops.toy_ops = self.runtime.toy_ops  # SUM_SQR, OPT_STEP_ADAMW_SCALED only where every backend has them
         return ops
 
     def _graph_capacity(self) -> int:
