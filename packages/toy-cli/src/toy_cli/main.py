@@ -166,8 +166,10 @@ def devices(as_json: AsJson = False) -> None:
         "cpu_features": [k for k, v in toy_ggml.cpu_features().items() if v],
         "default_threads": toy_ggml.default_threads(),
     }
+    # backend modules of other distributions (toy-ggml-cuda): where, loaded or not, and why
+    plugins = [p.to_dict() for p in toy_ggml.plugins()]
     if as_json:
-        typer.echo(json.dumps({"devices": [d.__dict__ for d in devs], "build": build}, indent=2))
+        typer.echo(json.dumps({"devices": [d.__dict__ for d in devs], "build": build, "plugins": plugins}, indent=2))
         return
     for d in devs:
         mem = f"{d.memory_total / 2**30:.1f} GiB" if d.memory_total else "-"
@@ -181,6 +183,15 @@ def devices(as_json: AsJson = False) -> None:
     others = ", ".join(f"{c['tag']} {c['score']}" for c in var["candidates"])
     typer.echo(f"cpu variant: {var['tag']} ({var['reason']}); scores: {others}", err=True)
     typer.echo(f"cpu features: {' '.join(build['cpu_features'])}; threads: {build['default_threads']}", err=True)
+    for p in plugins:
+        about = ", ".join(
+            x
+            for x in (p["path"], f"built for sm {','.join(p['archs'])}" if p["archs"] else "",
+                      f"CUDA {p['cuda_version']}" if p["cuda_version"] else "")
+            if x
+        )  # fmt: skip
+        state = f"loaded {p['backend']}" if p["loaded"] else "not loaded"
+        typer.echo(f"plugin {p['name']}{f' ({about})' if about else ''}: {state}: {p['reason']}", err=True)
 
 
 def _install_hint(name: str, dist: str) -> str:

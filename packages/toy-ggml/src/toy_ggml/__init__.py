@@ -34,8 +34,16 @@ from toy_ggml._core import (
     quantizable_types,
     quantize,
 )
-from toy_ggml._dispatch import cpu_variant, sum_step
-from toy_ggml.devices import Device, default_threads, devices, physical_cores, resolve_device, runtime_threads
+from toy_ggml._dispatch import Plugin, cpu_variant, plugins, sum_step
+from toy_ggml.devices import (
+    Device,
+    default_threads,
+    device_name,
+    devices,
+    physical_cores,
+    resolve_device,
+    runtime_threads,
+)
 from toy_ggml.dtypes import GGMLType, TypeTraits, type_info
 from toy_ggml.errors import ClosedError, GGMLError, RPCError, UnsupportedBackwardError
 from toy_ggml.rpc import rpc_available, rpc_connect, rpc_serve
@@ -57,6 +65,7 @@ __all__ = [
     "GGMLType",
     "GGML_VERSION",
     "Graph",
+    "Plugin",
     "RPCError",
     "Runtime",
     "Tensor",
@@ -68,8 +77,10 @@ __all__ = [
     "cpu_variant",
     "default_threads",
     "dequantize",
+    "device_name",
     "devices",
     "physical_cores",
+    "plugins",
     "quantizable_types",
     "quantize",
     "resolve_device",

@@ -1,7 +1,9 @@
 """Devices ggml reports, thread defaults, and device choice.
 
 The device is data: ``--device`` > ``TOY_DEVICE`` > ``auto``. ``auto`` picks
-the first GPU ggml reports and otherwise the CPU. Threads: ``--threads`` >
+the first GPU ggml reports and otherwise the CPU; ``cuda`` is the first CUDA
+device (``CUDA0``, from the toy-ggml-cuda plugin), an error with the plugin's
+reason when there is none. Threads: ``--threads`` >
 ``TOY_THREADS`` > the physical cores, the last adaptive (``runtime_threads``:
 fewer while other processes keep cores busy).
 """
@@ -30,11 +32,26 @@ def devices() -> list[Device]:
     return [Device(*row) for row in _core.devices_raw()]
 
 
+def device_name(name: str) -> str:
+    """A device name as ``Runtime`` takes it: ``"cuda"`` (any case) becomes the first CUDA device's name
+    (``"CUDA0"``), and raises ValueError with the reason when there is none (the plugin is not installed,
+    or found no GPU); any other name is returned as given (``Runtime`` tells an unknown one)."""
+    if name.strip().lower() != "cuda":
+        return name
+    cuda = [d.name for d in devices() if d.backend == "CUDA"]
+    if cuda:
+        return cuda[0]
+    from toy_ggml._dispatch import plugins
+
+    why = "; ".join(f"{p.name}: {'loaded, ' if p.loaded else ''}{p.reason}" for p in plugins())
+    raise ValueError(
+        f"device {name!r}: there is no CUDA device ({why or 'no CUDA plugin'}); `toy devices` lists the devices"
+    )
+
+
 def resolve_device(flag: str | None = None) -> str:
-    """The device to use: the flag if given, else TOY_DEVICE, else "auto"."""
-    if flag:
-        return flag
-    return os.environ.get("TOY_DEVICE") or "auto"
+    """The device to use: the flag if given, else TOY_DEVICE, else "auto" (``device_name`` of it)."""
+    return device_name(flag or os.environ.get("TOY_DEVICE") or "auto")
 
 
 def physical_cores() -> int:

@@ -319,7 +319,8 @@ def _runtime(cfg: ViTTrainConfig, world: dist.World) -> toy_ggml.Runtime:
     the load leaves room for; ranks sharing a host share its cores unless
     the launcher bound each to its share (no bit depends on the thread count)."""
     n, adaptive = dist.rank_threads(cfg.threads, world)
-    return toy_ggml.Runtime(cfg.device or os.environ.get("TOY_DEVICE") or "cpu", threads=n, adaptive=adaptive)
+    device = toy_ggml.device_name(cfg.device or os.environ.get("TOY_DEVICE") or "cpu")  # "cuda": the first CUDA device
+    return toy_ggml.Runtime(device, threads=n, adaptive=adaptive)
 
 
 def folder_digest(root: str | os.PathLike[str]) -> str:

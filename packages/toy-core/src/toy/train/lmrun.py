@@ -113,7 +113,8 @@ def _runtime(cfg: TrainConfig, world: dist.World) -> toy_ggml.Runtime:
     a step depends on the thread count: toy patch 0022). Several ranks on one
     host share its cores (unless the launcher bound each to its own)."""
     n, adaptive = dist.rank_threads(cfg.threads, world)
-    return toy_ggml.Runtime(cfg.device or os.environ.get("TOY_DEVICE") or "cpu", threads=n, adaptive=adaptive)
+    device = toy_ggml.device_name(cfg.device or os.environ.get("TOY_DEVICE") or "cpu")  # "cuda": the first CUDA device
+    return toy_ggml.Runtime(device, threads=n, adaptive=adaptive)
 
 
 def _tokenizer(cfg: TrainConfig, hooks: Hooks) -> tuple[dict[str, Any], str]:
