@@ -135,13 +135,14 @@ def cuda():
 
 def test_cuda_rules_on_nodes_checked_by_hand(cuda):
     """ggml-cuda.cu's supports_op: an F32 product, RMS_NORM and toy's ERF (a kernel since patch 0024) are
-    supported; a product whose first operand is a transposed view is not (nb[0] != the element size), nor is
+    supported; a product whose first operand is a transposed view (toy's GEMM, patch 0011, reads those) is not
+    (nb[0] != the element size), nor is
     toy's SUM_SQR (patch 0017: no case there, the default refuses)."""
     with tg.Context(max_tensors=64, graph_size=64) as ctx:
         w = ctx.tensor(F32, (6, 8), "w")
         x = ctx.tensor(F32, (4, 8), "x")
         y = ctx.mul_mat(w, x)
-        yt = ctx.mul_mat(ctx.transpose(ctx.tensor(F32, (8, 6), "wt")), x)
+        yt = ctx.mul_mat(ctx.transpose(ctx.tensor(F32, (8, 6), "wt")), x, gemm=True)  # toy's GEMM reads it
         r = ctx.rms_norm(y, 1e-5)
         e = ctx.erf(r)
         s = ctx.sum_sqr(e)
@@ -162,9 +163,10 @@ def reports(cuda):
 
 
 #: the only nodes of toy's graphs the CUDA backend leaves to the CPU (docs/reference/cuda-fallbacks.md): the input
-#: gradient through a frozen quantized weight (patch 0018's toy-GEMM product reading the weight transposed) and
-#: the expert-weight gradient of MUL_MAT_ID (patch 0016's OUT_PROD_ID)
-KNOWN = {"SFT, QLoRA (Q4_0 base)": {"MUL_MAT"}, "MoE: full fine-tune": {"OUT_PROD_ID"}}
+#: gradient through a frozen quantized weight (patch 0018's toy-GEMM product reading the weight transposed), the
+#: expert-weight gradient of MUL_MAT_ID (patch 0016's OUT_PROD_ID) and the gradient of the routing weights'
+#: batched GET_ROWS (patch 0016's 3-D GET_ROWS_BACK; CUDA's takes 2-D only)
+KNOWN = {"SFT, QLoRA (Q4_0 base)": {"MUL_MAT"}, "MoE: full fine-tune": {"OUT_PROD_ID", "GET_ROWS_BACK"}}
 
 
 def test_no_graph_leaves_a_node_to_the_cpu_but_the_known_ones(reports):
