@@ -104,8 +104,8 @@ gate: lint test docs coverage-check api-docs-check hf-tables-check
 bench *args: (setup "--bench")
     {{py}} -m pytest -m bench -p no:cacheprovider -q -s {{args}} packages/*/benchmarks
 
-# The CUDA plugin: build the toy-ggml-cuda wheel (ggml's CUDA backend; needs nvcc 13 on PATH or in
-# /usr/local/cuda/bin) and install it into .venv; NVIDIA's cuBLAS/runtime wheels and ccache are installed first
+# The CUDA plugin: build the toy-ggml-cuda wheel (ggml's CUDA backend; needs nvcc 13: $CUDACXX, /usr/local/cuda/bin
+# or PATH) and install it into .venv; NVIDIA's cuBLAS/runtime wheels and ccache are installed first
 # when missing. The CMake folder build/cuda/ggml-cmake and ccache (~/.cache/toy-ccache) make a rebuild fast; a
 # first build of the four default archs takes 1-2 hours on 2 cores. `--archs 89` builds for one GPU generation
 # (the compute capability without the dot), `--jobs N` caps the compile jobs. Prints the time and ccache's hits.

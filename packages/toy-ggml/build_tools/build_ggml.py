@@ -33,8 +33,8 @@ its dependency and not copied) and writes ``build-info.json`` beside it::
     build_ggml.py --cuda-plugin --source DIR --build DIR --out DIR [--archs "80;86;89;90"]
         libggml-cuda.so build-info.json
 
-Its CMake line is fixed (``cuda_plugin_defines``): CUDA 13's ``nvcc`` (on PATH,
-else ``/usr/local/cuda/bin``); cuBLAS and its headers from the ``nvidia-cublas``
+Its CMake line is fixed (``cuda_plugin_defines``): CUDA 13's ``nvcc`` (``$CUDACXX``,
+else ``/usr/local/cuda/bin``, else on PATH); cuBLAS and its headers from the ``nvidia-cublas``
 wheel of the Python running this script, through a folder of links to the
 ``cublas*.h`` headers only (``<build>/../cublas-include``: the wheel's include
 folder also holds CUDA runtime headers of a newer minor version, which nvcc 13.0
@@ -141,16 +141,23 @@ ARCH_RE = re.compile(r"^[0-9]{2,3}[a-z]?(-real|-virtual)?$")
 
 
 def find_nvcc() -> Path:
-    """nvcc on PATH, else in /usr/local/cuda/bin."""
-    found = shutil.which("nvcc")
-    if found:
-        return Path(found)
+    """The CUDA compiler: ``$CUDACXX`` (CMake's own variable) when set, else /usr/local/cuda/bin/nvcc, else
+    nvcc on PATH. The toolkit's own folder comes before PATH so that the compile commands, which name the
+    toolkit's include folders, are the same whatever shim a shell's PATH holds (ccache hits depend on it)."""
+    given = os.environ.get("CUDACXX")
+    if given:
+        if not Path(given).is_file():
+            raise SystemExit(f"error: CUDACXX={given!r} is not a file")
+        return Path(given)
     default = Path("/usr/local/cuda/bin/nvcc")
     if default.is_file():
         return default
+    found = shutil.which("nvcc")
+    if found:
+        return Path(found)
     raise SystemExit(
-        f"error: nvcc (the CUDA {CUDA_MAJOR} compiler) is neither on PATH nor in /usr/local/cuda/bin: install the "
-        f"CUDA toolkit {CUDA_MAJOR}.x, or put the folder holding its nvcc on PATH"
+        f"error: nvcc (the CUDA {CUDA_MAJOR} compiler) is neither in /usr/local/cuda/bin nor on PATH: install the "
+        f"CUDA toolkit {CUDA_MAJOR}.x, or put the folder holding its nvcc on PATH (or name it in CUDACXX)"
     )
 
 
@@ -322,8 +329,7 @@ def build_cuda_plugin(args: argparse.Namespace) -> int:
     nvcc = find_nvcc()
     version = nvcc_version(nvcc)
     env = dict(os.environ)
-    if shutil.which("nvcc") is None:  # CMake finds the CUDA compiler on PATH
-        env["PATH"] = f"{nvcc.parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PATH"] = f"{nvcc.parent}{os.pathsep}{env.get('PATH', '')}"  # CMake takes the first nvcc on PATH
     cu = find_cu13()
     build = args.build.absolute()
     include = cublas_include(build.parent / "cublas-include", cu)
