@@ -56,7 +56,6 @@ import json
 import os
 import re
 import shutil
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -277,30 +276,20 @@ def cmake_cache(build: Path) -> dict[str, str]:
 
 
 def elf_dynamic(path: Path) -> dict[str, list[str]]:
-    """The string entries of a 64-bit little-endian ELF file's dynamic section: ``{"NEEDED": [...],
-    "RUNPATH": [...], "RPATH": [...], "SONAME": [...]}`` (what ``readelf -d`` prints)."""
-    data = path.read_bytes()
-    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
-        raise ValueError(f"{path} is not a 64-bit little-endian ELF file")
-    phoff, phentsize, phnum = struct.unpack_from("<Q", data, 0x20)[0], *struct.unpack_from("<HH", data, 0x36)
-    loads, dyn = [], None
-    for i in range(phnum):
-        p_type, _flags, p_offset, p_vaddr, _paddr, p_filesz = struct.unpack_from("<IIQQQQ", data, phoff + i * phentsize)
-        if p_type == 1:  # PT_LOAD
-            loads.append((p_vaddr, p_offset, p_filesz))
-        elif p_type == 2:  # PT_DYNAMIC
-            dyn = (p_offset, p_filesz)
-    if dyn is None:
-        raise ValueError(f"{path} has no dynamic section")
-    entries = [struct.unpack_from("<qQ", data, dyn[0] + k) for k in range(0, dyn[1], 16)]
-    strtab = next(v for t, v in entries if t == 5)  # DT_STRTAB, a virtual address
-    base = next(off + strtab - va for va, off, size in loads if va <= strtab < va + size)
-    names = {1: "NEEDED", 14: "SONAME", 15: "RPATH", 29: "RUNPATH"}
-    out: dict[str, list[str]] = {v: [] for v in names.values()}
-    for tag, val in entries:
-        if tag in names:
-            end = data.index(b"\0", base + val)
-            out[names[tag]].append(data[base + val : end].decode())
+    """The string entries of an ELF file's dynamic section, as ``readelf -d`` (binutils, beside every
+    compiler that builds the plugin) prints them: ``{"NEEDED": [...], "RUNPATH": [...], "RPATH": [...],
+    "SONAME": [...]}``. ValueError when readelf cannot read the file."""
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        raise SystemExit("error: readelf (binutils) is not on PATH: it checks the built module's dependencies")
+    proc = subprocess.run([readelf, "-d", "--wide", str(path)], capture_output=True, text=True)
+    if proc.returncode != 0 or "Dynamic section" not in proc.stdout:
+        raise ValueError(f"{path} is not an ELF file with a dynamic section: {proc.stderr.strip()}")
+    out: dict[str, list[str]] = {"NEEDED": [], "SONAME": [], "RPATH": [], "RUNPATH": []}
+    for line in proc.stdout.splitlines():
+        m = re.search(r"\((NEEDED|SONAME|RPATH|RUNPATH)\)\s+[^:]*: \[(.*)\]\s*$", line)
+        if m:
+            out[m.group(1)].append(m.group(2))
     return out
 
 

@@ -285,18 +285,14 @@ def test_the_cublas_include_folder_links_the_cublas_headers_only(tmp_path):
     assert all(p.is_symlink() and p.resolve() == (inc / p.name).resolve() for p in folder.iterdir())
 
 
-def test_the_elf_reader_agrees_with_readelf():
-    readelf = shutil.which("readelf")
-    if readelf is None:
-        pytest.skip("readelf (binutils) is not installed")
+def test_the_elf_reader_reads_the_cpu_variant():
+    """readelf's view of a module whose dependencies are known: every CPU variant needs libggml-base.so and
+    finds it through $ORIGIN (build_ggml.py sets both); a file that is not ELF is an error."""
     bg = _build_ggml()
-    lib = Path(tg.cpu_variant().path)
-    got = bg.elf_dynamic(lib)
-    out = subprocess.run([readelf, "-d", str(lib)], capture_output=True, text=True, check=True).stdout
-    assert got["NEEDED"] == _readelf_field(out, "NEEDED", "Shared library")
-    assert got["RUNPATH"] == _readelf_field(out, "RUNPATH", "Library runpath")
+    got = bg.elf_dynamic(Path(tg.cpu_variant().path))
     assert "libggml-base.so" in got["NEEDED"] and got["RUNPATH"] == ["$ORIGIN"]
-    with pytest.raises(ValueError, match="not a 64-bit little-endian ELF"):
+    assert not any(n.startswith("libcuda") for n in got["NEEDED"])
+    with pytest.raises(ValueError, match="not an ELF file"):
         bg.elf_dynamic(BUILD_GGML)
 
 
