@@ -175,6 +175,20 @@ pytestmark = pytest.mark.bench
 THIS = Path(__file__).resolve()
 
 
+def _trl_optimizer() -> dict:
+    """TRL's optimizer settings that equal toy's side in both benchmarks: AdamW (0.9, 0.95, 1e-8), weight decay
+    0.1, gradient clipping at 1.0, a constant learning rate bt.LR."""
+    return dict(
+        learning_rate=bt.LR,
+        lr_scheduler_type="constant",
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_epsilon=1e-8,
+        weight_decay=0.1,
+        max_grad_norm=1.0,
+    )
+
+
 def _load(name: str, file: str):
     """A benchmark module next to this one, loaded by file under a private
     name (test folders are not on ``sys.path`` under ``--import-mode=importlib``)."""
@@ -449,13 +463,7 @@ class TrlDpoSide:
             fp16=False,
             per_device_train_batch_size=pairs,
             gradient_accumulation_steps=1,
-            learning_rate=bt.LR,
-            lr_scheduler_type="constant",
-            adam_beta1=0.9,
-            adam_beta2=0.95,
-            adam_epsilon=1e-8,
-            weight_decay=0.1,
-            max_grad_norm=1.0,
+            **_trl_optimizer(),
             beta=BETA,
             loss_type=["sigmoid"],
             precompute_ref_log_probs=False,
@@ -740,13 +748,7 @@ class TrlGrpoSide:
             temperature=GRPO["temperature"],
             generation_kwargs={"eos_token_id": None},  # no end-token stop: N tokens, as toy's ignore_eos
             shuffle_dataset=False,  # the prompts in order: step k gets item k's
-            learning_rate=bt.LR,
-            lr_scheduler_type="constant",
-            adam_beta1=0.9,
-            adam_beta2=0.95,
-            adam_epsilon=1e-8,
-            weight_decay=0.1,
-            max_grad_norm=1.0,
+            **_trl_optimizer(),
             beta=GRPO["beta"],
             epsilon=GRPO["epsilon"],
             loss_type=GRPO["loss_type"],
