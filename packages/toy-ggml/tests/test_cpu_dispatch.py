@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import toy_ggml as tg
-from toy_ggml import _dispatch
+from toy_ggml import _dispatch, x86_variants
 
 HERE = Path(__file__).resolve().parent
 CHOICE = tg.cpu_variant()
@@ -60,13 +60,13 @@ def test_scores_agree_with_the_cpu_flags():
     """ggml's score is 0 exactly for the variants compiled for an instruction
     set /proc/cpuinfo does not list (an independent reading of the CPU)."""
     for c in CHOICE.candidates:
-        if c.tag in _dispatch._X86_NEEDS:
+        if c.tag in x86_variants.X86_NEEDS:
             assert (c.score == 0) == bool(c.missing), c
 
 
 def test_loaded_features_match_the_variant():
     feats = tg.cpu_features()
-    needs = _dispatch._X86_NEEDS.get(CHOICE.tag)
+    needs = x86_variants.X86_NEEDS.get(CHOICE.tag)
     if needs is None:
         pytest.skip(f"no instruction-set table for variant {CHOICE.tag}")
     assert feats["avx2"] == ("avx2" in needs)

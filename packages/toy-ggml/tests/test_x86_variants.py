@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import toy_ggml as tg
-from toy_ggml import _dispatch, x86_variants
+from toy_ggml import x86_variants
 
 GGML_DIR = Path(__file__).resolve().parents[1] / "subprojects" / "ggml"
 CMAKELISTS = GGML_DIR / "src" / "CMakeLists.txt"
@@ -81,8 +81,7 @@ def test_the_feature_weights_and_checks_are_ggmls():
     assert used <= set(x86_variants.X86_FEATURES)
 
 
-def test_the_dispatch_explains_with_the_same_table():
-    assert _dispatch._X86_NEEDS is x86_variants.X86_NEEDS
+def test_the_haswell_row_is_ggmls_avx2_set():
     assert x86_variants.X86_NEEDS["haswell"] == ("sse4_2", "avx", "f16c", "fma", "avx2", "bmi2")
 
 

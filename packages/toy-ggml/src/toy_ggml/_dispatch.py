@@ -25,18 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from toy_ggml import _build_config as build_config
-from toy_ggml import _core
+from toy_ggml import _core, x86_variants
 from toy_ggml.errors import GGMLError
-from toy_ggml.x86_variants import X86_NEEDS
 
 log = logging.getLogger("toy_ggml")
 
 ENV = "TOY_GGML_CPU_VARIANT"
 
-# The instruction sets each x86-64 variant is compiled for, as /proc/cpuinfo names
-# them (ggml's table, in toy_ggml.x86_variants): used only to explain why a variant
-# scored 0. The choice itself is ggml's score.
-_X86_NEEDS = X86_NEEDS
+# Why a variant scored 0 is explained from toy_ggml.x86_variants (ggml's table of the
+# instruction sets each x86-64 variant is compiled for, as /proc/cpuinfo names them);
+# the choice itself is ggml's score.
 
 
 @dataclass(frozen=True)
@@ -68,17 +66,6 @@ class VariantChoice:
 _choice: VariantChoice | None = None
 
 
-def _cpu_flags() -> set[str] | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return None
-
-
 def _tag(path: Path) -> str:
     stem = path.name.split(".")[0]  # libggml-cpu-haswell
     tag = stem[len("libggml-cpu") :].lstrip("-")
@@ -93,14 +80,14 @@ def _order(tag: str) -> int:
 def candidates(lib_dir: Path | None = None) -> list[Candidate]:
     """Every CPU variant this build carries, with ggml's score for this CPU."""
     lib_dir = lib_dir or Path(_core.library_path()).resolve().parent
-    flags = _cpu_flags()
+    flags = x86_variants.read_flags()
     out = []
     for p in lib_dir.glob("libggml-cpu*.so"):
         tag = _tag(p)
         score = _core.backend_score(p)
         missing: tuple[str, ...] = ()
-        if flags is not None and tag in _X86_NEEDS:
-            missing = tuple(f for f in _X86_NEEDS[tag] if f not in flags)
+        if flags is not None and tag in x86_variants.X86_NEEDS:
+            missing = x86_variants.missing(tag, flags)
         out.append(Candidate(tag, str(p), score, missing))
     out.sort(key=lambda c: (_order(c.tag), c.tag))
     return out
@@ -366,7 +353,7 @@ def sum_step() -> int:
     feats = cpu_features()
     if not feats.get("avx512"):
         return 32
-    flags = _cpu_flags() or set()
+    flags = x86_variants.read_flags() or set()
     if build_config.NATIVE and "avx512_fp16" in flags:
         return 128
     return 64
