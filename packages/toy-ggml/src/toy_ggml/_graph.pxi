@@ -57,7 +57,10 @@ cdef int _OP_MUL_MAT = _OP_ID["MUL_MAT"]
 cdef set _INPLACE_OK = {_OP_ID[n] for n in ("CPY", "SET_ROWS", "VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE")}
 # ops whose I32 output is an index into their input's rows: (op id -> index bound = src0.ne[0])
 cdef set _INDEX_PRODUCERS = {_OP_ID[n] for n in ("ARGMAX", "TOP_K", "ARGSORT")}
-cdef set _INDEX_PASSTHROUGH = {_OP_ID[n] for n in ("VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE", "CONT", "CPY")}
+cdef set _INDEX_PASSTHROUGH = {_OP_ID[n] for n in ("VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE", "CONT", "CPY",
+                                                  "REPEAT")}
+# indices counted by ARANGE (start, stop, step in its op params): the backward of patch 0025 makes them
+cdef int _OP_ARANGE = _OP_ID["ARANGE"]
 # srcs whose gradient ggml never computes (indices, positions, copy targets)
 cdef dict _IGNORED_SRC = {
     _OP_ID["CPY"]: (1,), _OP_GET_ROWS: (1,), _OP_ID["GET_ROWS_BACK"]: (1,), _OP_ROPE: (1,),
@@ -229,6 +232,9 @@ cdef class Graph:
         if n + n_bw * _BACKWARD_TENSORS_PER_NODE >= self.size:
             raise GGMLError(f"graph of size {self.size} may be too small for the backward pass; "
                             f"create it with size >= {n + n_bw * _BACKWARD_TENSORS_PER_NODE + 1}")
+        # toy patch 0025: a context whose ops are for backends without toy's own (a GPU) gets a
+        # backward of standard ops only
+        ggml_toy_set_standard_backward(self.ctx.ptr, not self.ctx.toy_ops)
         ggml_build_backward_expand(self.ctx.ptr, self.ptr, NULL)
         self._has_backward = True
         self._n_nodes = ggml_graph_n_nodes(self.ptr)
@@ -436,7 +442,8 @@ cdef int _index_check(list checks, ggml_tensor * node, ggml_tensor * idx, int64_
     """Plan the range check of ``idx`` (values must lie in 0..bound-1).
     Views, copies and conts pass values through: check the leaf they come
     from (its whole data, a superset). ARGMAX/TOP_K/ARGSORT yield indices
-    below their input's row length: check that length statically. Indices
+    below their input's row length: check that length statically; ARANGE's
+    are known from its parameters (REPEAT passes them through). Indices
     computed any other way cannot be checked and are refused."""
     cdef ggml_tensor * src = idx
     while <int>src.op in _INDEX_PASSTHROUGH:
@@ -450,6 +457,15 @@ cdef int _index_check(list checks, ggml_tensor * node, ggml_tensor * idx, int64_
         if src.src[0].ne[0] > bound:
             raise GGMLError(f"{_node_desc(node)}: indices from {_node_desc(src)} range up to "
                             f"{src.src[0].ne[0] - 1}, past the {bound} rows they index")
+        return 0
+    cdef float a0, a_step
+    if <int>src.op == _OP_ARANGE:
+        a0 = (<float *>src.op_params)[0]
+        a_step = (<float *>src.op_params)[2]
+        ends = (a0, a0 + (src.ne[0] - 1) * a_step)
+        if a0 != <int64_t>a0 or a_step != <int64_t>a_step or min(ends) < 0 or max(ends) >= bound:
+            raise GGMLError(f"{_node_desc(node)}: indices from {_node_desc(src)} range over {ends[0]:g}..{ends[1]:g}, "
+                            f"not whole row numbers below {bound}")
         return 0
     raise GGMLError(f"{_node_desc(node)}: its indices are computed by {_node_desc(src)}, which toy cannot "
                     "range-check before compute; feed indices from an input tensor")

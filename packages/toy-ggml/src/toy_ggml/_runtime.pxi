@@ -364,8 +364,9 @@ cdef class Runtime(_Handle):
         and OPT_STEP_ADAMW_SCALED): True when every backend runs toy's CPU
         kernels (as ``cpu_gemm``). Graph builders set their contexts'
         ``toy_ops`` from it, so that a GPU gets the standard ops those equal
-        (``Context.sum_sqr``, ``Context.opt_step_adamw``) instead of nodes it
-        would leave to the CPU."""
+        (``Context.sum_sqr``, ``Context.opt_step_adamw``) and a backward of
+        standard ops (``Graph.build_backward``, patch 0025) instead of nodes
+        it would leave to the CPU."""
         return self.cpu_gemm
 
     cdef int _prepare(self, Graph graph) except -1:

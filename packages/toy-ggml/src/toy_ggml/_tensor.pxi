@@ -160,7 +160,8 @@ cdef class _ContextBase(_Handle):
     # the default of ``Context.mul_mat``'s ``gemm`` for this context's products
     cdef public bint gemm
     # whether sum_sqr and a scaled opt_step_adamw build toy's own ops (patch 0017; True) or the standard
-    # ops they equal (False: for a runtime whose backends lack them, ``Runtime.toy_ops``)
+    # ops they equal (False: for a runtime whose backends lack them, ``Runtime.toy_ops``); False also
+    # makes Graph.build_backward build standard ops only (patch 0025)
     cdef public bint toy_ops
 
     def __cinit__(self, int max_tensors=1024, int graph_size=0, *args, **kwargs):

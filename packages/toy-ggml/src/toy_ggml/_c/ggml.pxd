@@ -242,3 +242,9 @@ cdef extern from "ggml.h" nogil:
     void ggml_log_set(ggml_log_callback log_callback, void * user_data)
     size_t ggml_quantize_chunk(ggml_type type, const float * src, void * dst, int64_t start, int64_t nrows, int64_t n_per_row, const float * imatrix)
     bint ggml_quantize_requires_imatrix(ggml_type type)
+
+
+cdef extern from "ggml-toy.h" nogil:
+    # toy patch 0025: the backward built in a context uses standard ops only (for a GPU)
+    void ggml_toy_set_standard_backward(ggml_context * ctx, bint standard)
+    bint ggml_toy_get_standard_backward(const ggml_context * ctx)
