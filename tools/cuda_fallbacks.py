@@ -576,7 +576,10 @@ def render(reports: Sequence[GraphReport], ccs: Sequence[int] = CCS) -> str:
         "",
         "Toy's own ops on a GPU: a runtime whose backends are not all toy's CPU kernels (`Runtime.toy_ops` False)",
         "has its graphs built with the standard ops that patch 0017's SUM_SQR and OPT_STEP_ADAMW_SCALED equal",
-        "(`sum(sqr(g))`, `opt_step_adamw(mul(g, factor))`: the same bits on the CPU); patch 0024 gives patch 0010's",
+        "(`sum(sqr(g))`, `opt_step_adamw(mul(g, factor))`: the same bits on the CPU) and a backward of standard ops",
+        "only (patch 0025: the input gradient through a frozen quantized weight from the weight dequantized by",
+        "GET_ROWS and OUT_PROD, MUL_MAT_ID's expert gradient from one OUT_PROD masked by the one-hot routing instead",
+        "of OUT_PROD_ID, the 3-D GET_ROWS gradient from a product with that routing); patch 0024 gives patch 0010's",
         "ERF a CUDA kernel; the products drop patch 0011's toy-GEMM hint (`Runtime.cpu_gemm`). The row-invariant",
         "switches (patches 0004, 0015, 0020) have no CUDA counterpart: on CUDA a sequence's logits may depend on",
         "the batch it was decoded in.",
@@ -594,16 +597,6 @@ def render(reports: Sequence[GraphReport], ccs: Sequence[int] = CCS) -> str:
         counts = [str(sum(c for c, _ in r.refused[cc].values())) for cc in ccs]
         sw = "; ".join(f"{k} ×{v}" for k, v in sorted(r.switches.items())) or "—"
         lines.append(f"| {r.workload} | {r.role} | {r.n_nodes} | {r.computes} | " + " | ".join(counts) + f" | {sw} |")
-    lines += ["", "## Refused nodes by op", ""]
-    if same:
-        lines.append(f"The rules give the same answer for {', '.join(cc_cols)}; the table is theirs.")
-    else:
-        lines.append("The rules differ between compute capabilities; each row names those it holds for.")
-    lines += [
-        "",
-        "| op | compute capabilities | nodes | graphs | example (type[shape], ~ not contiguous) |",
-        "|---|---|---:|---:|---|",
-    ]
     by_op: dict[tuple[str, tuple[int, ...]], list[tuple[GraphReport, int, str]]] = {}
     for r in reports:
         ops = set().union(*(r.refused[cc] for cc in ccs))
@@ -611,14 +604,30 @@ def render(reports: Sequence[GraphReport], ccs: Sequence[int] = CCS) -> str:
             where = tuple(cc for cc in ccs if op in r.refused[cc])
             c, ex = next(r.refused[cc][op] for cc in where)
             by_op.setdefault((op, where), []).append((r, c, ex))
+    lines += ["", "## Refused nodes by op", ""]
     if not by_op:
-        lines.append("| (none) | | | | |")
-    for (op, where), rows in sorted(by_op.items()):
-        total = sum(c for _, c, _ in rows)
-        lines.append(f"| {op} | {', '.join(_cc_name(cc) for cc in where)} | {total} | {len(rows)} | `{rows[0][2]}` |")
-    lines += ["", "## Where", ""]
-    for (op, _where), rows in sorted(by_op.items()):
-        lines.append(f"- **{op}**: " + "; ".join(f"{r.workload} ({r.role}) ×{c}" for r, c, _ in rows))
+        lines.append(
+            f"None: for {', '.join(cc_cols)}, the CUDA backend takes every node of every graph above; the "
+            "scheduler leaves none of them to the CPU."
+        )
+    else:
+        if same:
+            lines.append(f"The rules give the same answer for {', '.join(cc_cols)}; the table is theirs.")
+        else:
+            lines.append("The rules differ between compute capabilities; each row names those it holds for.")
+        lines += [
+            "",
+            "| op | compute capabilities | nodes | graphs | example (type[shape], ~ not contiguous) |",
+            "|---|---|---:|---:|---|",
+        ]
+        for (op, where), rows in sorted(by_op.items()):
+            total = sum(c for _, c, _ in rows)
+            lines.append(
+                f"| {op} | {', '.join(_cc_name(cc) for cc in where)} | {total} | {len(rows)} | `{rows[0][2]}` |"
+            )
+        lines += ["", "## Where", ""]
+        for (op, _where), rows in sorted(by_op.items()):
+            lines.append(f"- **{op}**: " + "; ".join(f"{r.workload} ({r.role}) ×{c}" for r, c, _ in rows))
     lines.append("")
     return "\n".join(lines)
 

@@ -22,9 +22,10 @@ update moves the loss by more than that within a step or two. The largest relati
 reported.
 
 No CPU fallback: one step of the tiny preset's ``TrainEngine`` (forward, loss, backward, clipping and
-AdamW in one graph) on the device runs in one scheduler split (``Runtime.n_splits()``). QLoRA's step is
-known to keep nodes on the CPU (the input gradient through the frozen quantized weight:
-docs/reference/cuda-fallbacks.md) and is not asserted here.
+AdamW in one graph) on the device runs in one scheduler split (``Runtime.n_splits()``); so does every
+step graph of a QLoRA run (the Q4_1 base: the input gradient through the frozen quantized weight) and
+of a MoE full fine-tune (qwen2moe-tiny: the experts' and the routing weights' gradients), whose standard
+backward forms are toy patch 0025's (docs/reference/cuda-fallbacks.md).
 """
 
 from __future__ import annotations
@@ -132,3 +133,31 @@ def test_a_training_step_runs_in_one_split(gpu_device, report):
         runtime.close()
     report("graph splits of a training step", n, "splits")
     assert n == 1, f"a training step on {gpu_device.label} ran in {n} splits: some nodes fell back to the CPU"
+
+
+@pytest.mark.parametrize("recipe", ["qlora", "moe-full"])
+def test_qlora_and_moe_steps_run_in_one_split(bases, recipe, gpu_device, report, tmp_path, monkeypatch):
+    from toy_testsupport import moe_ref
+
+    splits: list[int] = []
+    base_runtime = toy_ggml.Runtime
+
+    class _Splits(base_runtime):  # type: ignore[misc, valid-type]
+        def compute(self, graph, profile=False):
+            out = super().compute(graph, profile)
+            if any(t.op.startswith("OPT_STEP_ADAMW") for t in graph.nodes):  # a step graph
+                splits.append(self.n_splits())
+            return out
+
+    monkeypatch.setattr(toy_ggml, "Runtime", _Splits)
+    if recipe == "qlora":
+        cfg = _config("qlora", bases, tmp_path / "run", gpu_device.name)
+    else:
+        cfg = recipe_config(
+            "full", moe_ref.gguf_path("qwen2moe-tiny", 0, "f32"), bases["data"], tmp_path / "run", 2, CONTEXT,
+            eval_every=0, save_every=0, sample_tokens=0, threads=THREADS, device=gpu_device.name,
+        )  # fmt: skip
+    train(cfg)
+    assert splits, "no step graph was computed"
+    report(f"graph splits of a {recipe} step", max(splits), "splits", steps=len(splits))
+    assert max(splits) == 1, f"{recipe} steps on {gpu_device.label} ran in {splits} splits: nodes fell back to the CPU"
