@@ -69,6 +69,31 @@ class _ComputeTimer:
         return getattr(self._runtime, name)
 
 
+class _OpProfiler:
+    """Stands in for the engine's runtime during one generate call: computes
+    each graph node by node (``Runtime.compute(profile=True)``) and sums the
+    seconds per op; a product is named by its weight's type (``MUL_MAT
+    Q8_0``), since that is what decides its kernel."""
+
+    def __init__(self, runtime):
+        self._runtime = runtime
+        self.seconds: dict[str, float] = {}
+        self.computes = 0
+
+    def compute(self, graph) -> None:
+        types = {}
+        for t in graph.nodes:
+            if t.op in ("MUL_MAT", "MUL_MAT_ID") and t.sources:
+                types[t.name] = t.sources[0].dtype.name
+        for op, name, sec in self._runtime.compute(graph, profile=True):
+            key = f"{op} {types[name]}" if name in types else op
+            self.seconds[key] = self.seconds.get(key, 0.0) + sec
+        self.computes += 1
+
+    def __getattr__(self, name):
+        return getattr(self._runtime, name)
+
+
 class ToySide:
     def __init__(self, model: str, n_ctx: int, threads: int, device: str | None = None):
         import toy
@@ -111,6 +136,28 @@ class ToySide:
             "compute_s": sum(computes[1:]),
         }
         return res
+
+    def profile(self, short: list[int], n_new: int) -> dict:
+        """Toy's decode step op by op: the prompt's prefill, then ``n_new - 1``
+        decode steps computed node by node; seconds per op per decode step (the
+        prefill's compute left out by taking the per-op sums of a second run
+        without decode steps away)."""
+        m = self.m
+        eng = m.engine
+
+        def run(n: int) -> _OpProfiler:
+            prof = _OpProfiler(eng.runtime)
+            eng.runtime = prof
+            try:
+                m.generate(short, temperature=0, max_tokens=n, ignore_eos=True)
+            finally:
+                eng.runtime = prof._runtime
+            return prof
+
+        full, head = run(n_new), run(1)
+        steps = full.computes - head.computes
+        ops = {k: (v - head.seconds.get(k, 0.0)) / steps for k, v in full.seconds.items()}
+        return {"profile": {k: v for k, v in sorted(ops.items(), key=lambda kv: -kv[1]) if v > 0}, "steps": steps}
 
 
 def ggml_info(expect_native: str | None) -> dict:
@@ -175,6 +222,8 @@ def main() -> None:
         cmd = line.strip()
         if cmd == "rep":
             print(json.dumps(side.rep(prompts, short, args.new_tokens)), flush=True)
+        elif cmd == "profile":
+            print(json.dumps(side.profile(short, args.new_tokens)), flush=True)
         elif cmd == "done":
             break
     done = {"done": True, "vm_hwm_bytes": vm_hwm_bytes(), "graph_builds_in_reps": eng.stats.graph_builds - builds}

@@ -89,6 +89,19 @@ three sides alternate ``$TOY_BENCH_NATIVE_REPS`` (5) reps: toy on the dev
 -S``) and llama.cpp without its extra buffer types; records prefill 128/512
 and decode tokens/s with portable / native (target >= 0.97, median and best
 of the reps) and each toy side / llama.cpp.
+
+Decode per weight type (``test_decode_per_type``, issue 43): SmolLM2
+converted by ``toy.gguf.quantize_model`` from the F32 file to each of F32,
+F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K and IQ4_NL
+(``$TOY_BENCH_DECODE_TYPES`` chooses), three sides alternating the reps:
+toy, llama.cpp as it runs by default (ggml's CPU extra buffer types: weights
+repacked into interleaved layouts where ggml has them for the type and CPU),
+and llama.cpp without them (``PEER_NO_EXTRA_BUFTS``). One record per type:
+decode tokens/s of each, toy / llama.cpp both ways, the repacking's own gain,
+the file's matrix types (SmolLM2's width, 576, is not a multiple of 256, so
+its "K-quant" files are mostly llama.cpp's fallback types), and toy's decode
+step computed node by node, per op (products by weight type: ``MUL_MAT
+Q4_0``; ``MUL_MAT F16`` is attention on the F16 cache).
 """
 
 from __future__ import annotations
@@ -267,11 +280,16 @@ def run_sides(
     native: dict | None = None,
     reps: int = REPS,
     peer_launcher: str | None = None,
+    norepack_peer: bool = False,
+    profile: bool = False,
 ) -> dict:
     """Start toy (then toy on the native toy_ggml when ``native`` is given,
     then llama.cpp), wait for each to warm up, alternate the reps.
     ``native``: ``{"site": folder, "env": environment}`` from tools/bench_native.py;
-    ``peer_launcher``: Python code the peer runs with ``-c``, the peer script after it."""
+    ``peer_launcher``: Python code the peer runs with ``-c``, the peer script after it;
+    ``norepack_peer``: a second llama.cpp side without its extra buffer types
+    (``PEER_NO_EXTRA_BUFTS``: no repacked weights), ``peer_norepack``;
+    ``profile``: after the reps, toy's decode step op by op (``toy_profile``)."""
     args = ["--model", str(model), "--ids", str(ids), "--threads", str(THREADS), "--n-ctx", str(N_CTX)]
     args += ["--new-tokens", str(new_tokens)]
     sides: dict[str, Side] = {}
@@ -289,6 +307,11 @@ def run_sides(
             pre = [peer] if peer_launcher is None else [peer, "-c", peer_launcher]
             sides["peer"] = Side("peer", [*pre, str(PEER_SCRIPT), *args], logdir, timeout_s=SIDE_TIMEOUT_S)
             out["peer_ready"] = sides["peer"].read()
+            if norepack_peer:
+                argv = [peer, "-c", PEER_NO_EXTRA_BUFTS, str(PEER_SCRIPT), *args]
+                sides["peer_norepack"] = Side("peer_norepack", argv, logdir, timeout_s=SIDE_TIMEOUT_S)
+                out["reps"]["peer_norepack"] = []
+                out["peer_norepack_ready"] = sides["peer_norepack"].read()
         out["loadavg_before"] = os.getloadavg()[0]
         t0 = time.perf_counter()
         for _ in range(reps):
@@ -297,6 +320,9 @@ def run_sides(
                 out["reps"][key].append(side.ask("rep"))
         out["reps_wall_s"] = time.perf_counter() - t0
         out["loadavg_after"] = os.getloadavg()[0]
+        if profile:
+            time.sleep(SETTLE_S)
+            out["toy_profile"] = sides["toy"].ask("profile")
         for key, side in sides.items():
             out[f"{key}_done"] = side.ask("done")
     finally:
@@ -343,6 +369,89 @@ def figures(reps: list[dict]) -> dict[str, list[float]]:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_inference(record, bench_models, prompt_ids, tmp_path, dtype):
     report(record, bench_models[dtype], prompt_ids, tmp_path, dtype)
+
+
+# ---------------------------------------------------------------- decode per weight type (issue 43)
+
+#: the weight types issue 43 measures decode on (``$TOY_BENCH_DECODE_TYPES``, comma-separated, to choose)
+DECODE_TYPES = tuple(
+    os.environ.get("TOY_BENCH_DECODE_TYPES", "F32,F16,BF16,Q8_0,Q4_0,Q4_1,Q4_K,Q5_K,Q6_K,IQ4_NL").split(",")
+)
+
+
+@pytest.fixture(scope="module")
+def type_models(bench_models, tmp_path_factory) -> dict[str, Path]:
+    """SmolLM2 in every type of DECODE_TYPES, converted from the F32 file by ``toy.gguf.quantize_model``
+    (kept under ``$TOY_BENCH_MODEL_DIR`` as ``smollm2-conv-<type>.gguf`` when set)."""
+    from toy.gguf import quantize_model
+
+    keep = os.environ.get("TOY_BENCH_MODEL_DIR")
+    folder = Path(keep) if keep else tmp_path_factory.mktemp("bench_decode_types")
+    models = {}
+    for dtype in DECODE_TYPES:
+        p = bench_models["F32"] if dtype == "F32" else folder / f"smollm2-conv-{dtype}.gguf"
+        if not p.is_file():
+            quantize_model(bench_models["F32"], p, dtype)
+        models[dtype] = p
+    return models
+
+
+@pytest.mark.parametrize("dtype", DECODE_TYPES)
+def test_decode_per_type(record, type_models, prompt_ids, tmp_path, dtype):
+    """Decode tokens/s on SmolLM2 converted to ``dtype``: toy against llama.cpp with its repacked
+    weight layouts (its default: ggml's CPU extra buffer types) and without them, the reps alternated
+    over the three; toy's decode step op by op. The file's tensor types are in the record: SmolLM2's
+    width (576) is not a multiple of the K-quants' 256-wide blocks, so those files are mostly
+    llama.cpp's fallback types (Q5_0, Q5_1, Q8_0), as llama.cpp's own quantizer makes them."""
+    from collections import Counter
+
+    from toy.gguf import GGUFFile
+
+    model = type_models[dtype]
+    python = peer_python()
+    res = run_sides(model, prompt_ids, python, tmp_path, NEW_TOKENS, norepack_peer=python is not None, profile=True)
+    tf = figures(res["reps"]["toy"])
+    pf = figures(res["reps"]["peer"]) if python is not None else None
+    nf = figures(res["reps"]["peer_norepack"]) if python is not None else None
+    toy_v = med(tf["decode"])
+    peer_v = med(pf["decode"]) if pf else None
+    norepack_v = med(nf["decode"]) if nf else None
+    prof = res["toy_profile"]["profile"]
+    step_s = sum(prof.values())
+    products = {k: v for k, v in prof.items() if k.startswith("MUL_MAT")}
+    types = Counter(t.dtype.name for t in GGUFFile(model).tensors.values() if len(t.shape) >= 2)
+    record(
+        "infer",
+        figure=f"decode tokens/s per weight type, forward steps only, {dtype}",
+        value=toy_v,
+        unit="tokens/s",
+        model=model.name,
+        dtype=dtype,
+        matrix_types=dict(types),
+        threads=THREADS,
+        n_ctx=N_CTX,
+        reps=REPS,
+        toy_ggml=res["toy_ready"]["ggml"]["cpu_variant"],
+        peer=res["peer_ready"]["peer"] if python is not None else None,
+        peer_system=peer_system_info(python),
+        peer_value=peer_v,
+        ratio=toy_v / peer_v if peer_v else None,
+        peer_norepack_value=norepack_v,
+        ratio_norepack=toy_v / norepack_v if norepack_v else None,
+        repack_gain=peer_v / norepack_v if peer_v and norepack_v else None,
+        better="higher",
+        target="toy / llama.cpp >= 1.0 (>= 1.1 for Q4_1, Q8_0, F32)",
+        met=toy_v / peer_v >= (1.1 if dtype in ("Q4_1", "Q8_0", "F32") else 1.0) if peer_v else None,
+        toy_runs=tf["decode"],
+        peer_runs=pf["decode"] if pf else None,
+        peer_norepack_runs=nf["decode"] if nf else None,
+        toy_compute_ms=med(tf["compute_ms"]),
+        toy_engine_python_ms=med(tf["engine_extra_ms"]),
+        peer_step_ms=med(pf["step_ms"]) if pf else None,
+        toy_profile_ms={k: round(1e3 * v, 4) for k, v in prof.items()},
+        toy_profile_products_share=sum(products.values()) / step_s if step_s else None,
+        note="toy_profile_ms: one decode step computed node by node (somewhat above an unprofiled step)",
+    )
 
 
 @pytest.mark.parametrize("dtype", list(GPT2_DTYPES))
