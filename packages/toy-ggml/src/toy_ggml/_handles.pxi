@@ -11,7 +11,7 @@
 cimport cython
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uintptr_t
-from libc.string cimport memcpy, strlen
+from libc.string cimport memcpy, strcmp, strlen
 from libc.stdlib cimport malloc, free
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 

@@ -72,6 +72,35 @@ cdef c_bool _time_node(ggml_tensor * t, c_bool ask, void * user_data) noexcept n
     return True
 
 
+ctypedef ggml_backend_buffer_type_t * (*_extra_bufts_fn)(ggml_backend_dev_t) noexcept nogil
+
+
+cdef bint _repack_layout(ggml_backend_buffer_type_t buft, int t, int64_t ne0, int64_t ne1, int64_t ne2) except -1:
+    """Whether ggml's CPU_REPACK buffer type ``buft`` gives a tensor of type ``t`` and extents
+    ``ne0..ne2`` a repacked layout: a metadata-only tensor is allocated in it (the pages are never
+    touched) and its ``extra`` (the layout's traits, set by the buffer's init_tensor) read."""
+    if t < 0 or t >= GGML_TYPE_COUNT or ggml_blck_size(<ggml_type>t) == 0 or ne0 % ggml_blck_size(<ggml_type>t):
+        return False
+    cdef ggml_init_params params
+    params.mem_size = 2 * ggml_tensor_overhead() + 256
+    params.mem_buffer = NULL
+    params.no_alloc = True
+    cdef ggml_context * ctx = ggml_init(params)
+    if ctx == NULL:
+        raise MemoryError("ggml_init failed")
+    cdef int64_t ne[3]
+    ne[0] = ne0
+    ne[1] = ne1
+    ne[2] = ne2
+    cdef ggml_tensor * p = ggml_new_tensor(ctx, <ggml_type>t, 3, ne)
+    cdef ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
+    cdef bint ok = buf != NULL and p.extra != NULL
+    if buf != NULL:
+        ggml_backend_buffer_free(buf)
+    ggml_free(ctx)
+    return ok
+
+
 cdef class Runtime(_Handle):
     """Backends + scheduler + thread pool. ``device``: a device name from
     devices() (case-insensitive), "cpu", or "auto" (the first GPU, else the
@@ -282,6 +311,49 @@ cdef class Runtime(_Handle):
                     or ggml_backend_dev_name(ggml_backend_get_device(b)).decode().lower() == want):
                 return b
         raise ValueError(f"this runtime has no device {name!r}; it has {', '.join(self.backends)}")
+
+    cdef ggml_backend_buffer_type_t _repack_buft(self) noexcept:
+        """The CPU device's CPU_REPACK extra buffer type (from its registry's
+        ggml_backend_dev_get_extra_bufts), or NULL."""
+        if self._cpu == NULL:
+            return NULL
+        cdef ggml_backend_dev_t dev = ggml_backend_get_device(self._cpu)
+        cdef void * f = ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(dev),
+                                                          b"ggml_backend_dev_get_extra_bufts")
+        if f == NULL:
+            return NULL
+        cdef ggml_backend_buffer_type_t * bufts = (<_extra_bufts_fn>f)(dev)
+        cdef int i = 0
+        while bufts != NULL and bufts[i] != NULL:
+            if strcmp(ggml_backend_buft_name(bufts[i]), b"CPU_REPACK") == 0:
+                return bufts[i]
+            i += 1
+        return NULL
+
+    def repack_layout(self, dtype, shape):
+        """Whether the CPU backend (the variant loaded for this CPU) stores a
+        weight of ``dtype`` and ``shape`` (NumPy order: (rows, columns), or
+        (matrices, rows, columns)) in an interleaved layout with its own
+        product kernels (ggml's repacked types: Q4_0, IQ4_NL, Q4_K on AVX2
+        and AVX-512 x86, Q2_K on AVX-512, MXFP4, ...; rows a multiple of
+        the layout's width), as ggml itself decides for the tensor."""
+        self._check_open()
+        if isinstance(dtype, str):
+            from toy_ggml.dtypes import GGMLType
+            dtype = GGMLType.parse(dtype)
+        cdef int t = int(dtype)
+        if not _type_valid(t):
+            raise ValueError(f"unknown ggml type {dtype!r}")
+        dims = [int(d) for d in shape]
+        if not 2 <= len(dims) <= 3 or min(dims) < 1:
+            raise ValueError(f"shape {shape!r}: a weight is 2-D or 3-D")
+        cdef int64_t ne0 = dims[len(dims) - 1]
+        cdef int64_t ne1 = dims[len(dims) - 2]
+        cdef int64_t ne2 = dims[0] if len(dims) == 3 else 1
+        cdef ggml_backend_buffer_type_t buft = self._repack_buft()
+        if buft == NULL:
+            return False
+        return _repack_layout(buft, t, ne0, ne1, ne2)
 
     cdef ggml_backend_buffer_type_t _buft_for(self, object device) except NULL:
         """The buffer type of the backend named ``device`` (None: the primary)."""

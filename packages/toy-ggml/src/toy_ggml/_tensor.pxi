@@ -112,6 +112,12 @@ def buffer_from_memory(obj, bint weights=False):
     return b
 
 
+cdef bint _is_repack_buffer(ggml_backend_buffer * buf) noexcept:
+    """Whether ``buf`` is one of ggml's CPU_REPACK buffers (weights in an interleaved layout that
+    only the CPU backend's products read; no get_tensor)."""
+    return buf != NULL and ggml_backend_buft_name(ggml_backend_buffer_get_type(<ggml_backend_buffer_t>buf)) == b"CPU_REPACK"
+
+
 cdef int _check_rpc_buffer(ggml_tensor * t) except -1:
     """RPCError when ``t`` lives on a remote device whose connection failed
     (a read then left the data as it was, a write went nowhere)."""
@@ -280,17 +286,25 @@ cdef class _ContextBase(_Handle):
             raise KeyError(name)
         return _wrap(self, p, max(1, ggml_n_dims(p)))
 
-    def allocate(self, runtime=None, device=None, bint weights=False):
+    def allocate(self, runtime=None, device=None, bint weights=False, bint repack=False):
         """Give every tensor of this context that has no memory yet its own
         memory in one buffer on ``runtime``'s primary device (CPU when None),
         or on its device ``device`` (a name from ``runtime.backends``, a
         device name such as "RPC0", or "cpu"). ``weights``: mark the buffer
         as holding weights, so that the scheduler runs the ops that read them
-        on their device (how a model is split between devices). Returns the
+        on their device (how a model is split between devices). ``repack``:
+        the buffer is ggml's CPU_REPACK type (``runtime`` needed, no
+        ``device``): each tensor's data, set once whole with ``set_raw``, is
+        stored in the interleaved layout of the CPU's repacked product
+        kernels, which only a product reading the tensor as its first
+        operand can use; every tensor must have such a layout
+        (``Runtime.repack_layout``) and none can be read back. Returns the
         Buffer (owned by this context), or None if nothing needed memory."""
         self._check_open()
         if device is not None and runtime is None:
             raise ValueError("allocate(device=...) needs the runtime that has that device")
+        if repack and (runtime is None or device is not None):
+            raise ValueError("allocate(repack=True) needs the runtime and no device (the weights go to its CPU)")
         cdef ggml_backend_buffer_type_t buft
         cdef ggml_backend_buffer_t buf
         cdef ggml_tensor * p = ggml_get_first_tensor(self.ptr)
@@ -302,7 +316,17 @@ cdef class _ContextBase(_Handle):
             p = ggml_get_next_tensor(self.ptr, p)
         if not need:
             return None
-        if runtime is None:
+        if repack:
+            buft = (<Runtime?>runtime)._repack_buft()
+            if buft == NULL:
+                raise GGMLError("this CPU backend has no repacked layouts (no CPU_REPACK buffer type)")
+            p = ggml_get_first_tensor(self.ptr)
+            while p != NULL:
+                if p.data == NULL and p.view_src == NULL and not _repack_layout(buft, <int>p.type, p.ne[0], p.ne[1], p.ne[2]):
+                    raise GGMLError(f"tensor {p.name.decode()!r} ({ggml_type_name(p.type).decode()}, "
+                                    f"{p.ne[1]} rows of {p.ne[0]}) has no repacked layout on this CPU")
+                p = ggml_get_next_tensor(self.ptr, p)
+        elif runtime is None:
             buft = ggml_backend_cpu_buffer_type()
         else:
             buft = (<Runtime?>runtime)._buft_for(device)
@@ -515,10 +539,17 @@ cdef class Tensor:
                             "or compute its graph on a Runtime)")
         return 0
 
+    cdef int _need_readable(self) except -1:
+        self._need_data()
+        if _is_repack_buffer(self.ptr.buffer):
+            raise GGMLError(f"tensor {self.name!r} holds weights repacked into the CPU's interleaved layout "
+                            "(Context.allocate(repack=True)); ggml cannot read them back: read the file instead")
+        return 0
+
     def numpy(self):
         """A copy of the data as a NumPy array of the tensor's shape.
         For BF16 and quantized types use to_float() or raw()."""
-        self._need_data()
+        self._need_readable()
         t = <int>self.ptr.type
         npt = _NP_OF_TYPE.get(t)
         if npt is None:
@@ -535,7 +566,7 @@ cdef class Tensor:
 
     def raw(self):
         """A copy of the bytes as a uint8 array (any type)."""
-        self._need_data()
+        self._need_readable()
         if not ggml_is_contiguous(self.ptr):
             raise ValueError("tensor is not contiguous: read a cont() of it")
         cdef size_t n = ggml_nbytes(self.ptr)
@@ -673,7 +704,7 @@ cdef class _HostMemory:
     def __getbuffer__(self, Py_buffer * view, int flags):
         if self.ro and (flags & PyBUF_WRITABLE):
             raise BufferError("read-only memory")
-        self.t._need_data()
+        self.t._need_readable()
         view.buf = self.t.ptr.data
         view.len = ggml_nbytes(self.t.ptr)
         view.readonly = 1 if self.ro else 0

@@ -92,6 +92,7 @@ cdef extern from "ggml.h" nogil:
         size_t view_offs
         void * data
         char name[64]
+        void * extra
 
     struct ggml_cgraph:
         pass

@@ -1,0 +1,144 @@
+"""Weights in ggml's repacked layouts: ``Runtime.repack_layout`` and ``Context.allocate(repack=True)``.
+
+ggml's CPU backend stores some quantized weights in interleaved layouts with product kernels of their
+own (its CPU_REPACK extra buffer type: Q4_0, IQ4_NL and Q4_K on AVX2/AVX-512 x86, Q2_K on AVX-512,
+rows a multiple of 8); llama.cpp uses them by default. Checked here, for every such type the CPU this
+runs on has, and again in a process on the AVX2 variant (haswell) when this one loaded another:
+
+- the layout query agrees with what ggml does with the tensor (a weight it would not repack is refused
+  by allocate, naming it), and a repacked weight cannot be read back (GGMLError, not a crash);
+- the product with a repacked weight equals the plain product within float32 rounding and NumPy's
+  float64 product of the dequantized weight within the quantized product's tolerance;
+- row invariance, which toy's exact batching and speculative decoding rely on: each row of a product
+  of 1 to 13 rows is bit-identical to that row's product alone (ggml computes 4-row blocks with its
+  gemm kernel and the rest with its gemv kernel), for 1 to 3 threads. It holds for Q4_0 and IQ4_NL,
+  the types toy repacks; not for Q4_K and Q2_K (expected failures).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import toy_ggml as tg
+
+F32 = tg.GGMLType.F32
+# toy repacks the first two (toy.gguf.bind.REPACK_TYPES). ggml's Q4_K and Q2_K layouts round a row of a
+# 4-row block differently from the row alone (measured on AVX-512 Zen 4: the last bit of some outputs), so
+# toy leaves those weights as they are; strict xfail: should ggml's kernels become row-invariant, the test
+# says so and toy can repack them too
+_NOT_INVARIANT = pytest.mark.xfail(reason="ggml's 4-row kernel rounds differently from its 1-row kernel", strict=True)
+TYPES = [
+    tg.GGMLType.Q4_0,
+    tg.GGMLType.IQ4_NL,
+    pytest.param(tg.GGMLType.Q4_K, marks=_NOT_INVARIANT, id="Q4_K"),
+    pytest.param(tg.GGMLType.Q2_K, marks=_NOT_INVARIANT, id="Q2_K"),
+]
+OUT, IN = 72, 512  # 72 rows: a multiple of 8; 512 columns: whole blocks of every type above
+
+
+def _layout(qtype) -> bool:
+    rt = tg.Runtime("cpu", threads=1)
+    try:
+        return rt.repack_layout(qtype, (OUT, IN))
+    finally:
+        rt.close()
+
+
+def _products(qtype, raw: bytes, xs: list[np.ndarray], *, repack: bool, threads: int) -> list[np.ndarray]:
+    rt = tg.Runtime("cpu", threads=threads)
+    cw = tg.Context(max_tensors=4)
+    try:
+        wt = cw.tensor(qtype, (OUT, IN), name="w")
+        cw.allocate(rt, weights=True, repack=repack)
+        wt.set_raw(raw)
+        outs = []
+        for x in xs:
+            with tg.Context(max_tensors=16) as ops:
+                xt = ops.tensor(F32, x.shape)
+                y = ops.mul_mat(wt, xt).set_output()
+                g = tg.Graph(ops, size=64).build_forward(y)
+                ops.allocate(rt)
+                xt.set(x)
+                rt.compute(g)
+                outs.append(y.numpy().copy())
+        return outs
+    finally:
+        cw.close()
+        rt.close()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_repacked_products_match_and_are_row_invariant(qtype):
+    if not _layout(qtype):
+        pytest.skip(f"ggml's CPU backend has no repacked {qtype.name} layout on this CPU ({tg.cpu_variant().tag})")
+    rng = np.random.default_rng(int(qtype))
+    w = rng.standard_normal((OUT, IN)).astype(np.float32)
+    raw = tg.quantize(w, qtype)
+    deq = tg.dequantize(raw, qtype, (OUT, IN)).astype(np.float64)
+    x = rng.standard_normal((13, IN)).astype(np.float32)
+    shapes = [1, 2, 3, 4, 5, 8, 9, 13]
+    xs = [x[:n] for n in shapes] + [x[j : j + 1] for j in range(13)]
+    plain = _products(qtype, raw, xs, repack=False, threads=2)
+    for threads in (1, 2, 3):
+        got = _products(qtype, raw, xs, repack=True, threads=threads)
+        alone = np.concatenate(got[len(shapes) :])  # each row computed by itself
+        for n, y, p in zip(shapes, got, plain):
+            scale = float(np.abs(p).max())
+            np.testing.assert_allclose(y, p, rtol=0, atol=1e-6 * scale)  # float32 rounding of the same sums
+            # against float64 on the dequantized weight: the activations are quantized to 8 bits
+            np.testing.assert_allclose(y, x[:n].astype(np.float64) @ deq.T, rtol=0, atol=2e-2 * scale)
+            assert y.tobytes() == alone[:n].tobytes(), f"{qtype.name}: a row of {n} differs from it alone"
+        if threads == 1:
+            first = got
+        else:
+            for y, f in zip(got, first):
+                assert y.tobytes() == f.tobytes(), f"{qtype.name}: {threads} threads differ from 1"
+
+
+def test_the_avx2_kernels_too():
+    """ggml's AVX2 repacked kernels are other code than its AVX-512 ones: the test above in a process that
+    loads the haswell variant (skipped where this process runs it already or the CPU cannot)."""
+    choice = tg.cpu_variant()
+    if choice.tag == "haswell":
+        pytest.skip("this process runs the haswell variant: the test above checked its kernels")
+    if "haswell" not in {c.tag for c in choice.candidates if c.score > 0}:
+        pytest.skip("this CPU cannot run the AVX2 variant, or the build has none")
+    test = f"{Path(__file__).resolve()}::test_repacked_products_match_and_are_row_invariant"
+    env = {**os.environ, "TOY_GGML_CPU_VARIANT": "haswell"}
+    root = Path(__file__).resolve().parents[3]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", test]
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "2 passed" in r.stdout, r.stdout[-2000:]  # Q4_0 and IQ4_NL ran there (Q4_K xfails, Q2_K may skip)
+
+
+def test_allocate_refuses_a_weight_without_a_layout_and_a_repacked_one_is_not_read_back():
+    rt = tg.Runtime("cpu", threads=1)
+    try:
+        assert not rt.repack_layout(F32, (OUT, IN))
+        assert not rt.repack_layout(tg.GGMLType.Q4_0, (OUT + 4, IN))  # rows not a multiple of 8
+        with tg.Context(max_tensors=4) as c:
+            c.tensor(tg.GGMLType.Q8_0 if not rt.repack_layout("Q8_0", (OUT, IN)) else F32, (OUT, IN), name="plain")
+            with pytest.raises(tg.GGMLError, match="'plain'.*no repacked layout"):
+                c.allocate(rt, repack=True)
+        with pytest.raises(ValueError, match="needs the runtime"):
+            tg.Context(max_tensors=1).allocate(repack=True)
+        if not rt.repack_layout("Q4_0", (OUT, IN)):
+            pytest.skip(f"no repacked Q4_0 layout on this CPU ({tg.cpu_variant().tag})")
+        w = np.random.default_rng(0).standard_normal((OUT, IN)).astype(np.float32)
+        with tg.Context(max_tensors=4) as c:
+            t = c.tensor(tg.GGMLType.Q4_0, (OUT, IN), name="w")
+            c.allocate(rt, weights=True, repack=True)
+            t.set_raw(tg.quantize(w, tg.GGMLType.Q4_0))
+            with pytest.raises(tg.GGMLError, match="repacked"):
+                t.raw()
+            with pytest.raises(tg.GGMLError, match="repacked"):
+                t.to_float()
+    finally:
+        rt.close()
