@@ -61,6 +61,8 @@ def model_files(tmp_path_factory):
     with GGUFFile(files["wide_q8_0"]) as gf:
         kinds = {gf.tensors[n].dtype for n in gf.tensors if n.endswith(".weight") and len(gf.tensors[n].shape) == 2}
     assert kinds == {tg.GGMLType.Q8_0}, kinds
+    quantize_model(files["wide_f32"], d / "wide_q4_0.gguf", "q4_0")
+    files["wide_q4_0"] = d / "wide_q4_0.gguf"
     return files
 
 
@@ -71,7 +73,14 @@ def models(rt, model_files):
 
     def get(name):
         if name not in opened:
-            opened[name] = FullModel.load(model_files[name], rt, kv_type=None, kv_pad=1)
+            if name.endswith("_repack"):  # the weights in ggml's repacked layouts (toy.gguf.bind)
+                opened[name] = FullModel.load(
+                    model_files[name[: -len("_repack")]], rt, kv_type=None, kv_pad=1, repack=True
+                )
+                if not opened[name].weights.repacked:
+                    pytest.skip(f"no repacked layout for {name} on this CPU ({tg.cpu_variant().tag})")
+            else:
+                opened[name] = FullModel.load(model_files[name], rt, kv_type=None, kv_pad=1)
         return opened[name]
 
     yield get
@@ -301,7 +310,7 @@ SCHEDULES = {
 
 @pytest.mark.parametrize("attn", ["f16", "f16_flash"])
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
-@pytest.mark.parametrize("name", ["gqa_untied", "wide_q8_0"])
+@pytest.mark.parametrize("name", ["gqa_untied", "wide_q8_0", "wide_q4_0_repack"])
 def test_batched_decode_is_bit_exact(rt, models, name, schedule, attn):
     m = models(name)
     rng = np.random.default_rng(5)
@@ -482,3 +491,19 @@ def test_bad_negative_id_is_named(rt, models):
             e.prefill(0, [5, -1])
     finally:
         e.close()
+
+
+def test_repacked_weights_give_the_plain_logits_within_rounding(rt, models):
+    """The Q4_0 model with its projections in ggml's repacked layout (toy.gguf.bind, ``repack``): prefill and
+    decode logits within float32 rounding of the same file's plain weights (the same quantized values, the
+    products summed in the repacked kernels' order), and the same greedy tokens."""
+    packed, plain = models("wide_q4_0_repack"), models("wide_q4_0")
+    names = packed.weights.repacked
+    assert names and all(n.startswith("blk.") or n == "output.weight" for n in names)
+    assert not any(n.endswith(("token_embd.weight", "norm.weight")) for n in names)
+    assert not plain.weights.repacked
+    ids = tokens(12, seed=3)
+    want = prefill_then_decode(engine(plain, rt, n_ctx=64), ids, 5)
+    got = prefill_then_decode(engine(packed, rt, n_ctx=64), ids, 5)
+    assert rel_err(got, want) < 1e-5, rel_err(got, want)
+    assert [int(np.argmax(r)) for r in got] == [int(np.argmax(r)) for r in want]

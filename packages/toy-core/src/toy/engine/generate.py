@@ -629,6 +629,7 @@ def load(
     adapters=None,
     rpc: str | Sequence[str] = (),
     tensor_split: str | Sequence[float] | None = None,
+    repack: bool = True,
 ) -> Model:
     """Open a GGUF model of any registered architecture for generation.
 
@@ -655,7 +656,13 @@ def load(
     (a list, or one comma-separated str); the layers are split between the
     local device and them (``toy.engine.split``), by their free memory or by
     ``tensor_split`` (one share per device, local first: ``[3, 1]`` or
-    "3,1"). ``RemoteDeviceError`` when an endpoint cannot be used."""
+    "3,1"). ``RemoteDeviceError`` when an endpoint cannot be used.
+    ``repack``: on the CPU (one device), the projection weights of the types
+    whose repacked layout keeps each row's bits (``toy.gguf.bind.REPACK_TYPES``:
+    Q4_0, IQ4_NL) are copied once into ggml's interleaved layout where this
+    CPU has one, for its faster product kernels, as llama.cpp does by
+    default; their logits differ from the file's plain layout by float
+    rounding only. False keeps every weight in the mapped file."""
     endpoints = split.parse_endpoints(rpc)
     shares = split.parse_tensor_split(tensor_split)
     path = _resolve(model, fetch)
@@ -692,7 +699,7 @@ def load(
         for n, src, sc in named:  # each in its own context, so that it can be unloaded alone
             selectable.append(read_selectable(n, src, sc, gf))
             selectable[-1].allocate(runtime)
-        weights = bind_tensors(gf, runtime, placement.device_of if placement.split else None)
+        weights = bind_tensors(gf, runtime, placement.device_of if placement.split else None, repack=repack)
         engine = LLMEngine(
             cfg,
             weights,

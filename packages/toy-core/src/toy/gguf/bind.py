@@ -4,6 +4,12 @@ On the CPU the tensors point straight into the read-only file mapping (no
 copy, quantized types stay quantized); the mapping lives as long as any of
 them. On another device each tensor is copied once into a device buffer.
 
+With ``repack`` (inference on the CPU), the weights of the projections that
+ggml's CPU backend stores in an interleaved layout with product kernels of
+its own (``REPACK_TYPES`` where ``Runtime.repack_layout`` says this CPU has
+one) are copied once into such a buffer instead; their pages of the mapping
+are then released, so resident memory holds each weight once.
+
 A model split across devices (``toy.engine.split``) passes ``device_of``:
 each tensor then goes to the device it names, the local ones as above and
 each other device's in one context of its own, allocated there as weights
@@ -13,11 +19,34 @@ and filled once from the file.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import toy_ggml
-from toy.gguf.reader import GGUFFile, TensorInfo
+from toy.gguf.reader import GGUFError, GGUFFile, TensorInfo
+
+#: the types whose repacked product kernels toy uses: ggml's layouts whose kernels give each row of a
+#: product the bits of that row alone (toy-ggml's test_repack.py proves it on every CPU variant the tests
+#: run), as exact batching and speculative decoding need. ggml's Q4_K and Q2_K layouts do not (their
+#: 4-row kernel rounds differently from the 1-row one), so those weights stay as they are.
+REPACK_TYPES = frozenset({toy_ggml.GGMLType.Q4_0, toy_ggml.GGMLType.IQ4_NL})
+
+#: the weights read only as a product's first operand (a repacked weight can be nothing else): the
+#: projections of every architecture toy runs, and the output head (not the token embedding, which
+#: GET_ROWS reads, even when the head is tied to it)
+_PRODUCT_WEIGHTS = (
+    "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_qkv.weight", "attn_output.weight",
+    "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
+)  # fmt: skip
+
+
+def _repackable(info: TensorInfo, runtime: toy_ggml.Runtime) -> bool:
+    if len(info.shape) != 2 or info.dtype not in REPACK_TYPES:
+        return False
+    if not (info.name == "output.weight" or (info.name.startswith("blk.") and info.name.endswith(_PRODUCT_WEIGHTS))):
+        return False
+    return runtime.repack_layout(info.dtype, info.shape)
 
 
 @dataclass
@@ -27,8 +56,11 @@ class BoundTensors:
     context: toy_ggml.Context
     tensors: dict[str, toy_ggml.Tensor]
     zero_copy: bool
-    #: the contexts of the tensors on other devices than the runtime's primary one (a split model)
+    #: the contexts of the tensors on other devices than the runtime's primary one (a split model), and
+    #: of the repacked weights
     remote: list[toy_ggml.Context] = field(default_factory=list)
+    #: the GGUF names of the weights held in ggml's repacked layouts (``repack``)
+    repacked: frozenset[str] = frozenset()
 
     def __getitem__(self, name: str) -> toy_ggml.Tensor:
         return self.tensors[name]
@@ -41,25 +73,54 @@ class BoundTensors:
 
 
 def bind_tensors(
-    gf: GGUFFile, runtime: toy_ggml.Runtime | None = None, device_of: Callable[[str], str | None] | None = None
+    gf: GGUFFile,
+    runtime: toy_ggml.Runtime | None = None,
+    device_of: Callable[[str], str | None] | None = None,
+    repack: bool = False,
 ) -> BoundTensors:
     """Make a ggml tensor for every tensor of ``gf``: zero-copy on the CPU
     (``runtime`` None or a CPU runtime), copied to ``runtime``'s device
     otherwise. ``device_of`` (a split model): the backend name of ``runtime``
-    that holds each tensor by GGUF name (None or the primary's: as above)."""
+    that holds each tensor by GGUF name (None or the primary's: as above).
+    ``repack`` (a CPU runtime, one device): the projection weights with a
+    repacked layout on this CPU are copied into it (``BoundTensors.repacked``
+    names them); such a weight can only be a product's first operand and
+    cannot be read back through ggml, so only inference asks for it."""
     primary = "" if runtime is None else runtime.backends[0]
     where: dict[str, list[TensorInfo]] = {}
     for info in gf.tensors.values():
         dev = device_of(info.name) if device_of is not None else None
         where.setdefault(dev or primary, []).append(info)
+    split = len(where) > 1 or primary not in where
+    zero_copy = runtime is None or runtime.device == "CPU"
+    packed: list[TensorInfo] = []
+    if repack and runtime is not None and zero_copy and not split:
+        packed = [info for info in where.get(primary, ()) if _repackable(info, runtime)]
+        if packed:
+            names = {info.name for info in packed}
+            where[primary] = [info for info in where[primary] if info.name not in names]
     ctx = toy_ggml.Context(max_tensors=len(where.get(primary, ())) + 16)
     out: dict[str, toy_ggml.Tensor] = {}
     for info in where.get(primary, ()):
         out[info.name] = ctx.tensor(info.dtype, info.shape, name=info.name)
-    split = len(where) > 1 or primary not in where
-    zero_copy = runtime is None or runtime.device == "CPU"
-    bound = BoundTensors(ctx, out, zero_copy)
+    bound = BoundTensors(ctx, out, zero_copy, repacked=frozenset(info.name for info in packed))
     try:
+        if packed:
+            assert runtime is not None
+            pctx = toy_ggml.Context(max_tensors=len(packed) + 16)
+            bound.remote.append(pctx)
+            for info in packed:
+                out[info.name] = pctx.tensor(info.dtype, info.shape, name=info.name)
+            pctx.allocate(runtime, weights=True, repack=True)
+            for info in packed:
+                try:
+                    out[info.name].set_raw(gf.tensor_bytes(info.name))
+                except ValueError as e:  # ggml's row check: NaN/inf scales, which repacking refuses
+                    raise GGUFError(
+                        f"tensor {info.name!r} ({info.dtype.name}): {e}",
+                        hint="the file is damaged; load it with repack=False to use it as it is",
+                    ) from None
+                _release(gf, gf.data_offset + info.offset, info.nbytes)
         if out and zero_copy:
             # a split model's local weights are marked as weights: the scheduler then runs their ops here
             # (unmarked, it would run the head on a remote device and send it the head's weights every step)
@@ -85,3 +146,13 @@ def bind_tensors(
         bound.close()
         raise
     return bound
+
+
+def _release(gf: GGUFFile, start: int, size: int) -> None:
+    """Drop this process's pages of ``gf``'s mapping in [start, start + size) (whole pages inside it):
+    a repacked weight was read from them once; the page cache keeps the file, resident memory does not."""
+    page = mmap.PAGESIZE
+    a = (start + page - 1) // page * page
+    b = (start + size) // page * page
+    if b > a and hasattr(gf._map, "madvise"):
+        gf._map.madvise(mmap.MADV_DONTNEED, a, b - a)

@@ -58,14 +58,19 @@ class FullModel:
 
     @classmethod
     def load(
-        cls, path: str | Path, runtime: toy_ggml.Runtime, kv_type=toy_ggml.GGMLType.F16, kv_pad: int = 32
+        cls,
+        path: str | Path,
+        runtime: toy_ggml.Runtime,
+        kv_type=toy_ggml.GGMLType.F16,
+        kv_pad: int = 32,
+        repack: bool = False,
     ) -> FullModel:
         from toy.gguf import GGUFFile, bind_tensors
 
         gf = GGUFFile(path)
         try:
             cfg = models.config_from_gguf(gf)
-            weights = bind_tensors(gf, runtime)
+            weights = bind_tensors(gf, runtime, repack=repack)
         except BaseException:
             gf.close()
             raise
