@@ -63,6 +63,9 @@ def model_files(tmp_path_factory):
     assert kinds == {tg.GGMLType.Q8_0}, kinds
     quantize_model(files["wide_f32"], d / "wide_q4_0.gguf", "q4_0")
     files["wide_q4_0"] = d / "wide_q4_0.gguf"
+    files["wide_tied_f32"] = write_tiny(d / "wide_tied_f32.gguf", **WIDE, tied=True)
+    quantize_model(files["wide_tied_f32"], d / "wide_tied_q4_0.gguf", "q4_0")
+    files["wide_tied_q4_0"] = d / "wide_tied_q4_0.gguf"
     return files
 
 
@@ -310,7 +313,7 @@ SCHEDULES = {
 
 @pytest.mark.parametrize("attn", ["f16", "f16_flash"])
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
-@pytest.mark.parametrize("name", ["gqa_untied", "wide_q8_0", "wide_q4_0_repack"])
+@pytest.mark.parametrize("name", ["gqa_untied", "wide_q8_0", "wide_q4_0_repack", "wide_tied_q4_0_repack"])
 def test_batched_decode_is_bit_exact(rt, models, name, schedule, attn):
     m = models(name)
     rng = np.random.default_rng(5)
@@ -507,3 +510,33 @@ def test_repacked_weights_give_the_plain_logits_within_rounding(rt, models):
     got = prefill_then_decode(engine(packed, rt, n_ctx=64), ids, 5)
     assert rel_err(got, want) < 1e-5, rel_err(got, want)
     assert [int(np.argmax(r)) for r in got] == [int(np.argmax(r)) for r in want]
+    assert "output.weight" in names and not packed.weights.product_copies  # an untied head is repacked itself
+
+
+def test_tied_head_reads_a_repacked_copy_of_the_embedding(rt, models, model_files):
+    """A head tied to the Q4_0 token embedding: the embedding stays in the file for its lookup (GET_ROWS reads
+    it), and the head's product reads a repacked copy (``product_copies``): logits within float32 rounding of
+    the plain weights' and of the same load without the copy, and the same greedy tokens. (Exact batching
+    with the copy: test_batched_decode_is_bit_exact's ``wide_tied_q4_0_repack``.)"""
+    packed, plain = models("wide_tied_q4_0_repack"), models("wide_tied_q4_0")
+    assert "output.weight" not in packed.gguf.tensors
+    assert "token_embd.weight" not in packed.weights.repacked
+    head = packed.weights.product_copies["token_embd.weight"]
+    assert head is not packed.weights["token_embd.weight"]
+    with pytest.raises(tg.GGMLError):  # a repacked tensor cannot be read back
+        head.raw()
+    assert np.array_equal(packed.weights["token_embd.weight"].raw(), plain.weights["token_embd.weight"].raw())
+    assert not plain.weights.product_copies
+    ids = tokens(12, seed=4)
+    want = prefill_then_decode(engine(plain, rt, n_ctx=64), ids, 5)
+    got = prefill_then_decode(engine(packed, rt, n_ctx=64), ids, 5)
+    assert rel_err(got, want) < 1e-5, rel_err(got, want)
+    assert [int(np.argmax(r)) for r in got] == [int(np.argmax(r)) for r in want]
+    uncopied = FullModel.load(model_files["wide_tied_q4_0"], rt, kv_type=None, kv_pad=1, repack=True)
+    try:
+        uncopied.weights.product_copies.clear()  # the projections repacked, the head on the file's embedding
+        other = prefill_then_decode(engine(uncopied, rt, n_ctx=64), ids, 5)
+    finally:
+        uncopied.close()
+    assert not np.array_equal(got, other)  # the head's product went through the repacked kernel
+    assert rel_err(got, other) < 1e-5, rel_err(got, other)

@@ -12,7 +12,9 @@ runs on has, and again in a process on the AVX2 variant (haswell) when this one 
 - row invariance, which toy's exact batching and speculative decoding rely on: each row of a product
   of 1 to 13 rows is bit-identical to that row's product alone (ggml computes 4-row blocks with its
   gemm kernel and the rest with its gemv kernel), for 1 to 3 threads. It holds for Q4_0 and IQ4_NL,
-  the types toy repacks; not for Q4_K and Q2_K (expected failures).
+  the types toy repacks; not for Q4_K and Q2_K (expected failures);
+- the same for experts (3-D weights) in ``mul_mat_id``: ggml's repacked expert product computes every
+  routed row with the 1-row kernel, so it is row-invariant for every type with a layout, K-quants too.
 """
 
 from __future__ import annotations
@@ -101,6 +103,71 @@ def test_repacked_products_match_and_are_row_invariant(qtype):
                 assert y.tobytes() == f.tobytes(), f"{qtype.name}: {threads} threads differ from 1"
 
 
+E = 4  # experts of the expert test (E, OUT, IN)
+EXPERT_TYPES = [tg.GGMLType.Q4_0, tg.GGMLType.IQ4_NL, tg.GGMLType.Q4_K, tg.GGMLType.Q2_K]
+
+
+def _expert_products(qtype, raw, xs, sels, *, repack: bool, threads: int) -> list[np.ndarray]:
+    rt = tg.Runtime("cpu", threads=threads)
+    cw = tg.Context(max_tensors=4)
+    try:
+        wt = cw.tensor(qtype, (E, OUT, IN), name="experts")
+        cw.allocate(rt, weights=True, repack=repack)
+        wt.set_raw(raw)
+        outs = []
+        for x, sel in zip(xs, sels):
+            with tg.Context(max_tensors=16) as ops:
+                xt = ops.tensor(F32, x.shape)
+                it = ops.tensor(tg.GGMLType.I32, sel.shape)
+                y = ops.mul_mat_id(wt, xt, it, row_invariant=True).set_output()
+                g = tg.Graph(ops, size=64).build_forward(y)
+                ops.allocate(rt)
+                xt.set(x)
+                it.set(sel)
+                rt.compute(g)
+                outs.append(y.numpy().copy())
+        return outs
+    finally:
+        cw.close()
+        rt.close()
+
+
+@pytest.mark.parametrize("qtype", EXPERT_TYPES, ids=lambda t: t.name)
+def test_repacked_experts_match_and_are_row_invariant(qtype):
+    """``mul_mat_id`` over experts in the repacked layout, two experts per token out of four, the input per
+    routed slot and broadcast: the plain product within float32 rounding, NumPy's float64 within the
+    quantized tolerance, each token's rows bit-identical to that token alone, for 1 to 3 threads."""
+    rt = tg.Runtime("cpu", threads=1)
+    try:
+        if not rt.repack_layout(qtype, (E, OUT, IN)):
+            pytest.skip(f"no repacked {qtype.name} expert layout on this CPU ({tg.cpu_variant().tag})")
+    finally:
+        rt.close()
+    rng = np.random.default_rng(100 + int(qtype))
+    w = rng.standard_normal((E, OUT, IN)).astype(np.float32)
+    raw = b"".join(tg.quantize(w[e], qtype) for e in range(E))
+    deq = np.stack([tg.dequantize(tg.quantize(w[e], qtype), qtype, (OUT, IN)) for e in range(E)]).astype(np.float64)
+    T = 9
+    sel = np.stack([rng.permutation(E)[:2] for _ in range(T)]).astype(np.int32)  # (T, 2)
+    for u in (2, 1):  # an input per slot, and one broadcast over both slots
+        x = rng.standard_normal((T, u, IN)).astype(np.float32)
+        xs = [x] + [x[t : t + 1] for t in range(T)]
+        sels = [sel] + [sel[t : t + 1] for t in range(T)]
+        plain = _expert_products(qtype, raw, xs[:1], sels[:1], repack=False, threads=2)[0]
+        want = np.stack([[x[t, j % u] @ deq[sel[t, j]].T for j in range(2)] for t in range(T)])
+        first = None
+        for threads in (1, 2, 3):
+            got = _expert_products(qtype, raw, xs, sels, repack=True, threads=threads)
+            y, alone = got[0], np.concatenate(got[1:])
+            scale = float(np.abs(plain).max())
+            np.testing.assert_allclose(y, plain, rtol=0, atol=1e-6 * scale)
+            np.testing.assert_allclose(y, want, rtol=0, atol=3e-2 * scale)
+            assert y.tobytes() == alone.tobytes(), f"{qtype.name}: a token's rows differ from it alone (u={u})"
+            if first is None:
+                first = y
+            assert y.tobytes() == first.tobytes(), f"{qtype.name}: {threads} threads differ from 1"
+
+
 def test_the_avx2_kernels_too():
     """ggml's AVX2 repacked kernels are other code than its AVX-512 ones: the test above in a process that
     loads the haswell variant (skipped where this process runs it already or the CPU cannot)."""
@@ -109,13 +176,18 @@ def test_the_avx2_kernels_too():
         pytest.skip("this process runs the haswell variant: the test above checked its kernels")
     if "haswell" not in {c.tag for c in choice.candidates if c.score > 0}:
         pytest.skip("this CPU cannot run the AVX2 variant, or the build has none")
-    test = f"{Path(__file__).resolve()}::test_repacked_products_match_and_are_row_invariant"
+    here = Path(__file__).resolve()
+    tests = [
+        f"{here}::test_repacked_products_match_and_are_row_invariant",
+        f"{here}::test_repacked_experts_match_and_are_row_invariant",
+    ]
     env = {**os.environ, "TOY_GGML_CPU_VARIANT": "haswell"}
     root = Path(__file__).resolve().parents[3]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", test]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *tests]
     r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert "2 passed" in r.stdout, r.stdout[-2000:]  # Q4_0 and IQ4_NL ran there (Q4_K xfails, Q2_K may skip)
+    # Q4_0 and IQ4_NL ran there, as weights and as experts; Q4_K as experts (Q2_K has no AVX2 layout)
+    assert "5 passed" in r.stdout, r.stdout[-2000:]
 
 
 def test_allocate_refuses_a_weight_without_a_layout_and_a_repacked_one_is_not_read_back():

@@ -47,7 +47,7 @@ from toy import models
 from toy.errors import BadInputError
 from toy.eval.score import Scorable
 from toy.eval.windows import log_softmax
-from toy.models.common import causal_mask, final_softcapped, forward_logits
+from toy.models.common import causal_mask, final_softcapped, forward_logits, head_weight
 
 F32, I32 = toy_ggml.GGMLType.F32, toy_ggml.GGMLType.I32
 
@@ -147,7 +147,7 @@ class _Head:
             self.cin.allocate(self.runtime)
             h = arch.final_norm(self.ops, cfg, engine.weights, self.x)
             self.out = final_softcapped(
-                self.ops, arch, cfg, self.ops.mul_mat(engine.weights[arch.output_weight(cfg)], h)
+                self.ops, arch, cfg, self.ops.mul_mat(head_weight(engine.weights, arch.output_weight(cfg)), h)
             )
             self.out.set_output()
             self.graph = toy_ggml.Graph(self.ops, size=256).build_forward(self.out)

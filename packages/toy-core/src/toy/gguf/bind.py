@@ -8,7 +8,11 @@ With ``repack`` (inference on the CPU), the weights of the projections that
 ggml's CPU backend stores in an interleaved layout with product kernels of
 its own (``REPACK_TYPES`` where ``Runtime.repack_layout`` says this CPU has
 one) are copied once into such a buffer instead; their pages of the mapping
-are then released, so resident memory holds each weight once.
+are then released, so resident memory holds each weight once. A head tied to
+the token embedding (no ``output.weight``) gets a repacked copy of the
+embedding for its product (``BoundTensors.product_copies``), as llama.cpp
+makes one: the embedding's lookup keeps reading the file, whose pages it
+touches one row at a time, so resident memory grows by the copy alone.
 
 A model split across devices (``toy.engine.split``) passes ``device_of``:
 each tensor then goes to the device it names, the local ones as above and
@@ -31,20 +35,33 @@ from toy.gguf.reader import GGUFError, GGUFFile, TensorInfo
 #: run), as exact batching and speculative decoding need. ggml's Q4_K and Q2_K layouts do not (their
 #: 4-row kernel rounds differently from the 1-row one), so those weights stay as they are.
 REPACK_TYPES = frozenset({toy_ggml.GGMLType.Q4_0, toy_ggml.GGMLType.IQ4_NL})
+#: the same for experts (3-D weights of ``mul_mat_id``): ggml's repacked expert product runs every routed
+#: row through the 1-row kernel, so the K-quant layouts keep each row's bits there too (test_repack.py)
+EXPERT_REPACK_TYPES = REPACK_TYPES | {toy_ggml.GGMLType.Q4_K, toy_ggml.GGMLType.Q2_K}
 
 #: the weights read only as a product's first operand (a repacked weight can be nothing else): the
-#: projections of every architecture toy runs, and the output head (not the token embedding, which
-#: GET_ROWS reads, even when the head is tied to it)
+#: projections of every architecture toy runs (a mixture's shared expert too), and the output head (not
+#: the token embedding, which GET_ROWS reads, even when the head is tied to it)
 _PRODUCT_WEIGHTS = (
     "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_qkv.weight", "attn_output.weight",
     "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
+    "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight",
 )  # fmt: skip
+#: a mixture's experts, (E, out, in) each, read only by ``mul_mat_id``
+_EXPERT_WEIGHTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+_EMBEDDING = "token_embd.weight"
 
 
-def _repackable(info: TensorInfo, runtime: toy_ggml.Runtime) -> bool:
-    if len(info.shape) != 2 or info.dtype not in REPACK_TYPES:
+def _repackable(info: TensorInfo, runtime: toy_ggml.Runtime, head: bool = False) -> bool:
+    """Whether ``info`` goes into ggml's repacked layout: a projection or a mixture's experts (or, ``head``,
+    the embedding a tied head reads) of a type toy repacks there, with a layout for its shape on this CPU."""
+    block = info.name.startswith("blk.")
+    if len(info.shape) == 3:
+        if not (block and info.name.endswith(_EXPERT_WEIGHTS) and info.dtype in EXPERT_REPACK_TYPES):
+            return False
+    elif len(info.shape) != 2 or info.dtype not in REPACK_TYPES:
         return False
-    if not (info.name == "output.weight" or (info.name.startswith("blk.") and info.name.endswith(_PRODUCT_WEIGHTS))):
+    elif not (head or info.name == "output.weight" or (block and info.name.endswith(_PRODUCT_WEIGHTS))):
         return False
     return runtime.repack_layout(info.dtype, info.shape)
 
@@ -61,6 +78,9 @@ class BoundTensors:
     remote: list[toy_ggml.Context] = field(default_factory=list)
     #: the GGUF names of the weights held in ggml's repacked layouts (``repack``)
     repacked: frozenset[str] = frozenset()
+    #: product-only copies of tensors that are also read otherwise, by GGUF name: a tied head's repacked
+    #: embedding (``toy.models.common.head_weight`` reads it)
+    product_copies: dict[str, toy_ggml.Tensor] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> toy_ggml.Tensor:
         return self.tensors[name]
@@ -104,17 +124,24 @@ def bind_tensors(
     for info in where.get(primary, ()):
         out[info.name] = ctx.tensor(info.dtype, info.shape, name=info.name)
     bound = BoundTensors(ctx, out, zero_copy, repacked=frozenset(info.name for info in packed))
+    tied = None  # the embedding a tied head reads, when it gets a repacked copy
+    if repack and runtime is not None and zero_copy and not split and "output.weight" not in gf.tensors:
+        embd = gf.tensors.get(_EMBEDDING)
+        if embd is not None and _repackable(embd, runtime, head=True):
+            tied = embd
     try:
-        if packed:
+        if packed or tied is not None:
             assert runtime is not None
-            pctx = toy_ggml.Context(max_tensors=len(packed) + 16)
-            bound.remote.append(pctx)
-            for info in packed:
-                out[info.name] = pctx.tensor(info.dtype, info.shape, name=info.name)
+            pctx = _weights_context(bound, packed)
+            copies = [(info, out[info.name]) for info in packed]
+            if tied is not None:
+                head = pctx.tensor(tied.dtype, tied.shape, name=f"{tied.name}.head")
+                bound.product_copies[tied.name] = head
+                copies.append((tied, head))
             pctx.allocate(runtime, weights=True, repack=True)
-            for info in packed:
+            for info, dest in copies:
                 try:
-                    out[info.name].set_raw(gf.tensor_bytes(info.name))
+                    dest.set_raw(gf.tensor_bytes(info.name))
                 except ValueError as e:  # ggml's row check: NaN/inf scales, which repacking refuses
                     raise GGUFError(
                         f"tensor {info.name!r} ({info.dtype.name}): {e}",
@@ -135,10 +162,7 @@ def bind_tensors(
         for dev, infos in where.items():
             if dev == primary:
                 continue
-            rctx = toy_ggml.Context(max_tensors=len(infos) + 16)
-            bound.remote.append(rctx)
-            for info in infos:
-                out[info.name] = rctx.tensor(info.dtype, info.shape, name=info.name)
+            rctx = _weights_context(bound, infos)
             rctx.allocate(runtime, device=dev, weights=True)
             for info in infos:
                 out[info.name].set_raw(gf.tensor_bytes(info.name))
@@ -146,6 +170,15 @@ def bind_tensors(
         bound.close()
         raise
     return bound
+
+
+def _weights_context(bound: BoundTensors, infos: list[TensorInfo]) -> toy_ggml.Context:
+    """A context of its own (closed with ``bound``) with a tensor for each of ``infos``, in ``bound``."""
+    ctx = toy_ggml.Context(max_tensors=len(infos) + 16)
+    bound.remote.append(ctx)
+    for info in infos:
+        bound.tensors[info.name] = ctx.tensor(info.dtype, info.shape, name=info.name)
+    return ctx
 
 
 def _release(gf: GGUFFile, start: int, size: int) -> None:

@@ -212,7 +212,15 @@ def forward_batch(ctx, cfg, weights, tokens, pos, mask, batch: int, keep=None, l
     h = arch.forward(ctx, cfg, weights, tokens, pos, attend, head=False, lora=lora, taps=taps)  # (N, d)
     if keep is not None:
         h = ctx.mul(h, keep)
-    return final_softcapped(ctx, arch, cfg, ctx.mul_mat(weights[arch.output_weight(cfg)], h))
+    return final_softcapped(ctx, arch, cfg, ctx.mul_mat(head_weight(weights, arch.output_weight(cfg)), h))
+
+
+def head_weight(weights: Any, name: str) -> Any:
+    """The tensor the head's product reads for ``name`` (``arch.output_weight(cfg)``): the loader's
+    product-only copy when it made one (a head tied to the embedding gets the embedding repacked,
+    ``toy.gguf.bind.BoundTensors.product_copies``), else ``weights[name]``."""
+    copies = getattr(weights, "product_copies", None)
+    return copies[name] if copies and name in copies else weights[name]
 
 
 def final_softcapped(ctx: Any, arch: Any, cfg: Any, logits: Any) -> Any:
@@ -270,6 +278,7 @@ __all__ = [
     "forward_batch",
     "forward_logits",
     "gelu_tanh",
+    "head_weight",
     "layer_masks",
     "lora_linear",
     "padded_length",

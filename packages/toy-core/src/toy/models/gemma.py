@@ -55,6 +55,7 @@ from toy.models.card import Lines
 from toy.models.common import (
     final_softcapped,
     gelu_tanh,
+    head_weight,
     lora_linear,
     shape_metadata,
     train_shape_fields,
@@ -323,7 +324,7 @@ def forward(
     x = final_norm(ctx, cfg, weights, x)
     if not head:
         return x  # (N, d)
-    return final_softcapped(ctx, ARCH, cfg, mm(weights[output_weight(cfg)], x))  # (N, V)
+    return final_softcapped(ctx, ARCH, cfg, mm(head_weight(weights, output_weight(cfg)), x))  # (N, V)
 
 
 def final_norm(ctx, cfg: GemmaConfig, weights, x):

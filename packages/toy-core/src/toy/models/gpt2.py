@@ -26,7 +26,7 @@ from typing import Any
 from toy.errors import ConfigError
 from toy.models import LMArchitecture, LoraTarget, ParamInfo, Traits, UnsupportedModelError, validate
 from toy.models.card import decoder_card
-from toy.models.common import gelu_tanh, lora_linear, uint32_counts
+from toy.models.common import gelu_tanh, head_weight, lora_linear, uint32_counts
 
 _LAYER_TENSORS = (
     "attn_norm.weight",
@@ -171,7 +171,7 @@ def forward(
     x = final_norm(ctx, cfg, weights, x)
     if not head:
         return x  # (N, d)
-    return mm(weights[output_weight(cfg)], x)  # (N, V)
+    return mm(head_weight(weights, output_weight(cfg)), x)  # (N, V)
 
 
 def _third(ctx, qkv, j: int, T: int, H: int, D: int):

@@ -28,7 +28,7 @@ from typing import Any
 
 from toy.models import LMArchitecture, LoraTarget, ParamInfo, Traits, UnsupportedModelError, moe, validate
 from toy.models.card import decoder_card, summary_from
-from toy.models.common import lora_linear, shape_metadata, train_shape_fields, uint32_counts
+from toy.models.common import head_weight, lora_linear, shape_metadata, train_shape_fields, uint32_counts
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "olmoe", "qwen2moe", "qwen3moe")
 MOE_ARCHITECTURES = ("olmoe", "qwen2moe", "qwen3moe")
@@ -338,7 +338,7 @@ def forward(
     x = final_norm(ctx, cfg, weights, x)
     if not head:
         return x  # (N, d)
-    return mm(weights[output_weight(cfg)], x)  # (N, V)
+    return mm(head_weight(weights, output_weight(cfg)), x)  # (N, V)
 
 
 def final_norm(ctx, cfg: LlamaConfig, weights, x):
