@@ -95,11 +95,13 @@ class _OpProfiler:
 
 
 class ToySide:
-    def __init__(self, model: str, n_ctx: int, threads: int, device: str | None = None):
+    def __init__(
+        self, model: str, n_ctx: int, threads: int, device: str | None = None, lora: str | None = None, repack=True
+    ):
         import toy
 
         t0 = time.perf_counter()
-        self.m = toy.load(model, n_ctx=n_ctx, threads=threads, device=device)
+        self.m = toy.load(model, n_ctx=n_ctx, threads=threads, device=device, lora=lora, repack=repack)
         self.load_s = time.perf_counter() - t0
         self.version = toy.__version__
 
@@ -195,6 +197,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--device", help="a device toy_ggml lists, or cpu (default: TOY_DEVICE, else auto)")
     ap.add_argument("--expect-native", metavar="DIR", help="fail unless toy_ggml is a native build from under DIR")
+    ap.add_argument("--lora", help="a LoRA adapter GGUF applied at scale 1")
+    ap.add_argument("--no-repack", action="store_true", help="every weight in the file's layout (repack=False)")
     args = ap.parse_args()
     ggml = ggml_info(args.expect_native)
 
@@ -202,7 +206,7 @@ def main() -> None:
         spec = json.load(f)
     prompts, short = spec["prompts"], spec["short"]
 
-    side = ToySide(args.model, args.n_ctx, args.threads, args.device)
+    side = ToySide(args.model, args.n_ctx, args.threads, args.device, args.lora, not args.no_repack)
     side.rep(prompts, short, args.new_tokens, warm_up=True)  # warm-up: builds every graph the reps use
     eng = side.m.engine
     builds = eng.stats.graph_builds

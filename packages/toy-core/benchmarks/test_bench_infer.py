@@ -282,6 +282,8 @@ def run_sides(
     peer_launcher: str | None = None,
     norepack_peer: bool = False,
     profile: bool = False,
+    lora: Path | None = None,
+    plain_toy: bool = False,
 ) -> dict:
     """Start toy (then toy on the native toy_ggml when ``native`` is given,
     then llama.cpp), wait for each to warm up, alternate the reps.
@@ -289,14 +291,21 @@ def run_sides(
     ``peer_launcher``: Python code the peer runs with ``-c``, the peer script after it;
     ``norepack_peer``: a second llama.cpp side without its extra buffer types
     (``PEER_NO_EXTRA_BUFTS``: no repacked weights), ``peer_norepack``;
-    ``profile``: after the reps, toy's decode step op by op (``toy_profile``)."""
+    ``profile``: after the reps, toy's decode step op by op (``toy_profile``);
+    ``lora``: an adapter every side applies at scale 1; ``plain_toy``: a second toy side with every weight
+    in the file's layout (``repack=False``), ``toy_plain``."""
     args = ["--model", str(model), "--ids", str(ids), "--threads", str(THREADS), "--n-ctx", str(N_CTX)]
-    args += ["--new-tokens", str(new_tokens)]
+    args += ["--new-tokens", str(new_tokens)] + (["--lora", str(lora)] if lora is not None else [])
     sides: dict[str, Side] = {}
     out: dict = {"reps": {"toy": [], "peer": []}}
     try:
         sides["toy"] = Side("toy", [sys.executable, str(TOY_SCRIPT), *args], logdir, timeout_s=SIDE_TIMEOUT_S)
         out["toy_ready"] = sides["toy"].read()
+        if plain_toy:
+            argv = [sys.executable, str(TOY_SCRIPT), *args, "--no-repack"]
+            sides["toy_plain"] = Side("toy_plain", argv, logdir, timeout_s=SIDE_TIMEOUT_S)
+            out["reps"]["toy_plain"] = []
+            out["toy_plain_ready"] = sides["toy_plain"].read()
         if native is not None:
             # python -S: the dev venv's editable toy_ggml loader (a .pth file) would win over PYTHONPATH
             argv = [sys.executable, "-S", str(TOY_SCRIPT), *args, "--expect-native", str(native["site"])]
@@ -332,6 +341,10 @@ def run_sides(
 
 
 # ---------------------------------------------------------------- figures
+
+
+def _mb(n: int | None) -> float | None:
+    return None if n is None else n / 2**20
 
 
 def med(values: list[float]) -> float:
@@ -403,17 +416,47 @@ def test_decode_per_type(record, type_models, prompt_ids, tmp_path, dtype):
     over the three; toy's decode step op by op. The file's tensor types are in the record: SmolLM2's
     width (576) is not a multiple of the K-quants' 256-wide blocks, so those files are mostly
     llama.cpp's fallback types (Q5_0, Q5_1, Q8_0), as llama.cpp's own quantizer makes them."""
+    decode_layouts(record, type_models[dtype], prompt_ids, tmp_path, dtype, NEW_TOKENS)
+
+
+def test_decode_moe_layouts(record, tmp_path):
+    """The same three sides and profile on the OLMoE-shaped Q4_K_M model of ``test_inference_moe``, whose
+    Q4_K experts toy keeps in ggml's repacked layout (row-invariant in ``mul_mat_id``) while its 2-D Q4_K
+    weights (attn_q) stay plain; llama.cpp repacks both."""
+    model = moe_bench_model()
+    decode_layouts(record, model, write_prompt_ids(model, tmp_path), tmp_path, "Q4_K_M", GPT2_NEW_TOKENS, MOE_TAG)
+
+
+@pytest.mark.parametrize("dtype", ["Q4_0", "Q8_0"])
+def test_decode_lora(record, type_models, prompt_ids, tmp_path, dtype):
+    """The same with a LoRA adapter applied on both sides: rank 8 on q, k, v, o, gate, up and down of
+    every layer (toy's demo adapter, seeded), on SmolLM2 as Q4_0 (repacked base products) and Q8_0."""
+    from toy.adapters.demo import random_adapter
+
+    if dtype not in type_models:
+        pytest.skip(f"{dtype} is not among TOY_BENCH_DECODE_TYPES")
+    model = type_models[dtype]
+    targets = ("q", "k", "v", "o", "gate", "up", "down")
+    adapter = random_adapter(model, tmp_path / "adapter.gguf", seed=0, rank=8, alpha=16.0, targets=targets)
+    decode_layouts(record, model, prompt_ids, tmp_path, dtype, NEW_TOKENS, f"{dtype} + LoRA r8", lora=adapter)
+
+
+def decode_layouts(
+    record, model: Path, ids: Path, tmp_path: Path, dtype: str, new_tokens: int, tag=None, lora: Path | None = None
+) -> None:
+    """Decode tokens/s: toy against llama.cpp with its repacked layouts and without them, reps alternated;
+    toy's decode step op by op; the record of ``test_decode_per_type``."""
     from collections import Counter
 
     from toy.gguf import GGUFFile
 
-    model = type_models[dtype]
     python = peer_python()
-    res = run_sides(model, prompt_ids, python, tmp_path, NEW_TOKENS, norepack_peer=python is not None, profile=True)
+    res = run_sides(model, ids, python, tmp_path, new_tokens, norepack_peer=python is not None, profile=True, lora=lora)
     tf = figures(res["reps"]["toy"])
     pf = figures(res["reps"]["peer"]) if python is not None else None
     nf = figures(res["reps"]["peer_norepack"]) if python is not None else None
     toy_v = med(tf["decode"])
+    plain_v = med(figures(res["reps"]["toy_plain"])["decode"])
     peer_v = med(pf["decode"]) if pf else None
     norepack_v = med(nf["decode"]) if nf else None
     prof = res["toy_profile"]["profile"]
@@ -422,7 +465,7 @@ def test_decode_per_type(record, type_models, prompt_ids, tmp_path, dtype):
     types = Counter(t.dtype.name for t in GGUFFile(model).tensors.values() if len(t.shape) >= 2)
     record(
         "infer",
-        figure=f"decode tokens/s per weight type, forward steps only, {dtype}",
+        figure=f"decode tokens/s per weight type, forward steps only, {tag or dtype}",
         value=toy_v,
         unit="tokens/s",
         model=model.name,
@@ -439,16 +482,21 @@ def test_decode_per_type(record, type_models, prompt_ids, tmp_path, dtype):
         peer_norepack_value=norepack_v,
         ratio_norepack=toy_v / norepack_v if norepack_v else None,
         repack_gain=peer_v / norepack_v if peer_v and norepack_v else None,
+        toy_plain_value=plain_v,
+        toy_repack_gain=toy_v / plain_v,
         better="higher",
         target="toy / llama.cpp >= 1.0 (>= 1.1 for Q4_1, Q8_0, F32)",
         met=toy_v / peer_v >= (1.1 if dtype in ("Q4_1", "Q8_0", "F32") else 1.0) if peer_v else None,
         toy_runs=tf["decode"],
         peer_runs=pf["decode"] if pf else None,
         peer_norepack_runs=nf["decode"] if nf else None,
+        toy_plain_runs=figures(res["reps"]["toy_plain"])["decode"],
         toy_compute_ms=med(tf["compute_ms"]),
         toy_engine_python_ms=med(tf["engine_extra_ms"]),
         peer_step_ms=med(pf["step_ms"]) if pf else None,
         toy_profile_ms={k: round(1e3 * v, 4) for k, v in prof.items()},
+        peak_rss_mb={k: _mb(res[f"{k}_done"]["vm_hwm_bytes"]) for k in res["reps"] if f"{k}_done" in res},
+        load_s={k: res[f"{k}_ready"]["load_s"] for k in res["reps"] if f"{k}_ready" in res},
         toy_profile_products_share=sum(products.values()) / step_s if step_s else None,
         note="toy_profile_ms: one decode step computed node by node (somewhat above an unprofiled step)",
     )
