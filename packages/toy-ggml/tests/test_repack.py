@@ -11,8 +11,10 @@ runs on has, and again in a process on the AVX2 variant (haswell) when this one 
   float64 product of the dequantized weight within the quantized product's tolerance;
 - row invariance, which toy's exact batching and speculative decoding rely on: each row of a product
   of 1 to 13 rows is bit-identical to that row's product alone (ggml computes 4-row blocks with its
-  gemm kernel and the rest with its gemv kernel), for 1 to 3 threads. It holds for Q4_0 and IQ4_NL,
-  the types toy repacks; not for Q4_K and Q2_K (expected failures);
+  gemm kernel and the rest with its gemv kernel), for 1 to 3 threads. It holds for Q4_0 and IQ4_NL;
+  not for Q4_K and Q2_K (expected failures), unless the product is hinted row-invariant
+  (``mul_mat(row_invariant=True)``, as toy's engine asks): then patch 0026 runs those layouts' rows
+  through the gemv kernel alone, and it holds for all four;
 - the same for experts (3-D weights) in ``mul_mat_id``: ggml's repacked expert product computes every
   routed row with the 1-row kernel, so it is row-invariant for every type with a layout, K-quants too.
 """
@@ -30,10 +32,10 @@ import pytest
 import toy_ggml as tg
 
 F32 = tg.GGMLType.F32
-# toy repacks the first two (toy.gguf.bind.REPACK_TYPES). ggml's Q4_K and Q2_K layouts round a row of a
-# 4-row block differently from the row alone (measured on AVX-512 Zen 4: the last bit of some outputs), so
-# toy leaves those weights as they are; strict xfail: should ggml's kernels become row-invariant, the test
-# says so and toy can repack them too
+# unhinted products: ggml's Q4_K and Q2_K layouts round a row of a 4-row block differently from the row
+# alone (measured on AVX-512 Zen 4 and AVX2: the last bit of some outputs); strict xfail, so a ggml change
+# shows up. toy's engine hints its products row-invariant, which keeps those layouts' rows on the gemv
+# kernel (patch 0026), so toy repacks all four (toy.gguf.bind.REPACK_TYPES)
 _NOT_INVARIANT = pytest.mark.xfail(reason="ggml's 4-row kernel rounds differently from its 1-row kernel", strict=True)
 TYPES = [
     tg.GGMLType.Q4_0,
@@ -41,6 +43,8 @@ TYPES = [
     pytest.param(tg.GGMLType.Q4_K, marks=_NOT_INVARIANT, id="Q4_K"),
     pytest.param(tg.GGMLType.Q2_K, marks=_NOT_INVARIANT, id="Q2_K"),
 ]
+# the row-invariant cases (hinted products, experts): all four
+ALL_TYPES = [tg.GGMLType.Q4_0, tg.GGMLType.IQ4_NL, tg.GGMLType.Q4_K, tg.GGMLType.Q2_K]
 OUT, IN = 72, 512  # 72 rows: a multiple of 8; 512 columns: whole blocks of every type above
 
 
@@ -52,7 +56,9 @@ def _layout(qtype) -> bool:
         rt.close()
 
 
-def _products(qtype, raw: bytes, xs: list[np.ndarray], *, repack: bool, threads: int) -> list[np.ndarray]:
+def _products(
+    qtype, raw: bytes, xs: list[np.ndarray], *, repack: bool, threads: int, row_invariant: bool = False
+) -> list[np.ndarray]:
     rt = tg.Runtime("cpu", threads=threads)
     cw = tg.Context(max_tensors=4)
     try:
@@ -63,7 +69,7 @@ def _products(qtype, raw: bytes, xs: list[np.ndarray], *, repack: bool, threads:
         for x in xs:
             with tg.Context(max_tensors=16) as ops:
                 xt = ops.tensor(F32, x.shape)
-                y = ops.mul_mat(wt, xt).set_output()
+                y = ops.mul_mat(wt, xt, row_invariant=row_invariant).set_output()
                 g = tg.Graph(ops, size=64).build_forward(y)
                 ops.allocate(rt)
                 xt.set(x)
@@ -77,6 +83,16 @@ def _products(qtype, raw: bytes, xs: list[np.ndarray], *, repack: bool, threads:
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_repacked_products_match_and_are_row_invariant(qtype):
+    _check_products(qtype, row_invariant=False)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_hinted_repacked_products_are_row_invariant(qtype):
+    """The same products hinted row-invariant: every type's rows keep their bits (patch 0026)."""
+    _check_products(qtype, row_invariant=True)
+
+
+def _check_products(qtype, *, row_invariant: bool) -> None:
     if not _layout(qtype):
         pytest.skip(f"ggml's CPU backend has no repacked {qtype.name} layout on this CPU ({tg.cpu_variant().tag})")
     rng = np.random.default_rng(int(qtype))
@@ -88,7 +104,7 @@ def test_repacked_products_match_and_are_row_invariant(qtype):
     xs = [x[:n] for n in shapes] + [x[j : j + 1] for j in range(13)]
     plain = _products(qtype, raw, xs, repack=False, threads=2)
     for threads in (1, 2, 3):
-        got = _products(qtype, raw, xs, repack=True, threads=threads)
+        got = _products(qtype, raw, xs, repack=True, threads=threads, row_invariant=row_invariant)
         alone = np.concatenate(got[len(shapes) :])  # each row computed by itself
         for n, y, p in zip(shapes, got, plain):
             scale = float(np.abs(p).max())
@@ -104,7 +120,6 @@ def test_repacked_products_match_and_are_row_invariant(qtype):
 
 
 E = 4  # experts of the expert test (E, OUT, IN)
-EXPERT_TYPES = [tg.GGMLType.Q4_0, tg.GGMLType.IQ4_NL, tg.GGMLType.Q4_K, tg.GGMLType.Q2_K]
 
 
 def _expert_products(qtype, raw, xs, sels, *, repack: bool, threads: int) -> list[np.ndarray]:
@@ -132,7 +147,7 @@ def _expert_products(qtype, raw, xs, sels, *, repack: bool, threads: int) -> lis
         rt.close()
 
 
-@pytest.mark.parametrize("qtype", EXPERT_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 def test_repacked_experts_match_and_are_row_invariant(qtype):
     """``mul_mat_id`` over experts in the repacked layout, two experts per token out of four, the input per
     routed slot and broadcast: the plain product within float32 rounding, NumPy's float64 within the
@@ -179,6 +194,7 @@ def test_the_avx2_kernels_too():
     here = Path(__file__).resolve()
     tests = [
         f"{here}::test_repacked_products_match_and_are_row_invariant",
+        f"{here}::test_hinted_repacked_products_are_row_invariant",
         f"{here}::test_repacked_experts_match_and_are_row_invariant",
     ]
     env = {**os.environ, "TOY_GGML_CPU_VARIANT": "haswell"}
@@ -186,8 +202,9 @@ def test_the_avx2_kernels_too():
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *tests]
     r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    # Q4_0 and IQ4_NL ran there, as weights and as experts; Q4_K as experts (Q2_K has no AVX2 layout)
-    assert "5 passed" in r.stdout, r.stdout[-2000:]
+    # Q4_0 and IQ4_NL ran there, as weights, hinted weights and experts; Q4_K hinted and as experts (Q2_K has
+    # no AVX2 layout)
+    assert "8 passed" in r.stdout, r.stdout[-2000:]
 
 
 def test_allocate_refuses_a_weight_without_a_layout_and_a_repacked_one_is_not_read_back():
