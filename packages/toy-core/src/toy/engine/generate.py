@@ -657,14 +657,14 @@ def load(
     local device and them (``toy.engine.split``), by their free memory or by
     ``tensor_split`` (one share per device, local first: ``[3, 1]`` or
     "3,1"). ``RemoteDeviceError`` when an endpoint cannot be used.
-    ``repack``: on the CPU (one device), the weights whose repacked layout
-    keeps each row's bits are copied once into ggml's interleaved layout where
-    this CPU has one, for its faster product kernels, as llama.cpp does by
-    default: projections and a separate head of ``toy.gguf.bind.REPACK_TYPES``
-    (Q4_0, IQ4_NL), a copy of the embedding for a head tied to it, a
-    mixture's experts of ``EXPERT_REPACK_TYPES`` (those and Q4_K, Q2_K). The
-    products differ from the file's plain layout by float rounding only.
-    False keeps every weight in the mapped file."""
+    ``repack``: on the CPU (one device), the weights of the types whose
+    repacked layout keeps each row's bits in toy's row-invariant products
+    (``toy.gguf.bind.REPACK_TYPES``: Q4_0, IQ4_NL, Q4_K, Q2_K) are copied once
+    into ggml's interleaved layout where this CPU has one, for its faster
+    product kernels, as llama.cpp does by default: the projections, a
+    separate head or a copy of the embedding a head is tied to, a mixture's
+    experts. The products differ from the file's plain layout by float
+    rounding only. False keeps every weight in the mapped file."""
     endpoints = split.parse_endpoints(rpc)
     shares = split.parse_tensor_split(tensor_split)
     path = _resolve(model, fetch)

@@ -31,13 +31,13 @@ import toy_ggml
 from toy.gguf.reader import GGUFError, GGUFFile, TensorInfo
 
 #: the types whose repacked product kernels toy uses: ggml's layouts whose kernels give each row of a
-#: product the bits of that row alone (toy-ggml's test_repack.py proves it on every CPU variant the tests
-#: run), as exact batching and speculative decoding need. ggml's Q4_K and Q2_K layouts do not (their
-#: 4-row kernel rounds differently from the 1-row one), so those weights stay as they are.
-REPACK_TYPES = frozenset({toy_ggml.GGMLType.Q4_0, toy_ggml.GGMLType.IQ4_NL})
-#: the same for experts (3-D weights of ``mul_mat_id``): ggml's repacked expert product runs every routed
-#: row through the 1-row kernel, so the K-quant layouts keep each row's bits there too (test_repack.py)
-EXPERT_REPACK_TYPES = REPACK_TYPES | {toy_ggml.GGMLType.Q4_K, toy_ggml.GGMLType.Q2_K}
+#: row-invariant product (toy's engine hints its products so) the bits of that row alone, as exact batching
+#: and speculative decoding need (toy-ggml's test_repack.py proves it on every CPU variant the tests run).
+#: For Q4_K and Q2_K that takes patch 0026 (the hinted rows go through the 1-row kernel); a mixture's
+#: experts (``mul_mat_id``) always do.
+REPACK_TYPES = frozenset(
+    {toy_ggml.GGMLType.Q4_0, toy_ggml.GGMLType.IQ4_NL, toy_ggml.GGMLType.Q4_K, toy_ggml.GGMLType.Q2_K}
+)
 
 #: the weights read only as a product's first operand (a repacked weight can be nothing else): the
 #: projections of every architecture toy runs (a mixture's shared expert too), and the output head (not
@@ -54,14 +54,13 @@ _EMBEDDING = "token_embd.weight"
 
 def _repackable(info: TensorInfo, runtime: toy_ggml.Runtime, head: bool = False) -> bool:
     """Whether ``info`` goes into ggml's repacked layout: a projection or a mixture's experts (or, ``head``,
-    the embedding a tied head reads) of a type toy repacks there, with a layout for its shape on this CPU."""
-    block = info.name.startswith("blk.")
-    if len(info.shape) == 3:
-        if not (block and info.name.endswith(_EXPERT_WEIGHTS) and info.dtype in EXPERT_REPACK_TYPES):
-            return False
-    elif len(info.shape) != 2 or info.dtype not in REPACK_TYPES:
+    the embedding a tied head reads) of a type in ``REPACK_TYPES``, with a layout for its shape on this CPU."""
+    if info.dtype not in REPACK_TYPES or not (head or info.name.startswith("blk.") or info.name == "output.weight"):
         return False
-    elif not (head or info.name == "output.weight" or (block and info.name.endswith(_PRODUCT_WEIGHTS))):
+    if len(info.shape) == 3:
+        if not info.name.endswith(_EXPERT_WEIGHTS):
+            return False
+    elif len(info.shape) != 2 or not (head or info.name == "output.weight" or info.name.endswith(_PRODUCT_WEIGHTS)):
         return False
     return runtime.repack_layout(info.dtype, info.shape)
 
