@@ -93,15 +93,18 @@ of the reps) and each toy side / llama.cpp.
 Decode per weight type (``test_decode_per_type``, issue 43): SmolLM2
 converted by ``toy.gguf.quantize_model`` from the F32 file to each of F32,
 F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K and IQ4_NL
-(``$TOY_BENCH_DECODE_TYPES`` chooses), three sides alternating the reps:
-toy, llama.cpp as it runs by default (ggml's CPU extra buffer types: weights
-repacked into interleaved layouts where ggml has them for the type and CPU),
-and llama.cpp without them (``PEER_NO_EXTRA_BUFTS``). One record per type:
-decode tokens/s of each, toy / llama.cpp both ways, the repacking's own gain,
-the file's matrix types (SmolLM2's width, 576, is not a multiple of 256, so
+(``$TOY_BENCH_DECODE_TYPES`` chooses), four sides alternating the reps:
+toy as it loads by default (repacked weights where row-invariant), toy with
+``repack=False``, llama.cpp as it runs by default (ggml's CPU extra buffer
+types: weights repacked into interleaved layouts where ggml has them for the
+type and CPU), and llama.cpp without them (``PEER_NO_EXTRA_BUFTS``). One record
+per type: decode tokens/s of each, toy / llama.cpp both ways, each side's
+repacking gain, peak RSS and load time per side, the file's matrix types (SmolLM2's width, 576, is not a multiple of 256, so
 its "K-quant" files are mostly llama.cpp's fallback types), and toy's decode
 step computed node by node, per op (products by weight type: ``MUL_MAT
-Q4_0``; ``MUL_MAT F16`` is attention on the F16 cache).
+Q4_0``; ``MUL_MAT F16`` is attention on the F16 cache). The same record on the
+MoE model (``test_decode_moe_layouts``) and with a rank-8 LoRA adapter on
+SmolLM2 Q4_0 and Q8_0 (``test_decode_lora``).
 """
 
 from __future__ import annotations
@@ -412,17 +415,17 @@ def type_models(bench_models, tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("dtype", DECODE_TYPES)
 def test_decode_per_type(record, type_models, prompt_ids, tmp_path, dtype):
     """Decode tokens/s on SmolLM2 converted to ``dtype``: toy against llama.cpp with its repacked
-    weight layouts (its default: ggml's CPU extra buffer types) and without them, the reps alternated
-    over the three; toy's decode step op by op. The file's tensor types are in the record: SmolLM2's
+    weight layouts (its default: ggml's CPU extra buffer types) and without them, and toy without its
+    own, the reps alternated over the four; toy's decode step op by op. The file's tensor types are in the record: SmolLM2's
     width (576) is not a multiple of the K-quants' 256-wide blocks, so those files are mostly
     llama.cpp's fallback types (Q5_0, Q5_1, Q8_0), as llama.cpp's own quantizer makes them."""
     decode_layouts(record, type_models[dtype], prompt_ids, tmp_path, dtype, NEW_TOKENS)
 
 
 def test_decode_moe_layouts(record, tmp_path):
-    """The same three sides and profile on the OLMoE-shaped Q4_K_M model of ``test_inference_moe``, whose
-    Q4_K experts toy keeps in ggml's repacked layout (row-invariant in ``mul_mat_id``) while its 2-D Q4_K
-    weights (attn_q) stay plain; llama.cpp repacks both."""
+    """The same sides and profile on the OLMoE-shaped Q4_K_M model of ``test_inference_moe``, whose Q4_K
+    experts and attn_q both sides keep in ggml's repacked layout (toy's row-invariant: ``mul_mat_id`` runs
+    the 1-row kernel, and patch 0026 keeps toy's hinted 2-D products on it)."""
     model = moe_bench_model()
     decode_layouts(record, model, write_prompt_ids(model, tmp_path), tmp_path, "Q4_K_M", GPT2_NEW_TOKENS, MOE_TAG)
 
@@ -451,7 +454,8 @@ def decode_layouts(
     from toy.gguf import GGUFFile
 
     python = peer_python()
-    res = run_sides(model, ids, python, tmp_path, new_tokens, norepack_peer=python is not None, profile=True, lora=lora)
+    peer_sides = {"norepack_peer": python is not None, "plain_toy": True}
+    res = run_sides(model, ids, python, tmp_path, new_tokens, profile=True, lora=lora, **peer_sides)
     tf = figures(res["reps"]["toy"])
     pf = figures(res["reps"]["peer"]) if python is not None else None
     nf = figures(res["reps"]["peer_norepack"]) if python is not None else None
