@@ -540,3 +540,27 @@ def test_tied_head_reads_a_repacked_copy_of_the_embedding(rt, models, model_file
         uncopied.close()
     assert not np.array_equal(got, other)  # the head's product went through the repacked kernel
     assert rel_err(got, other) < 1e-5, rel_err(got, other)
+
+
+def test_a_damaged_weight_is_named_when_repacking_and_loads_as_it_is_without(rt, model_files, tmp_path):
+    """A Q4_0 projection with a NaN block scale (ggml's row check refuses to repack it): the load with
+    ``repack`` is a GGUFError naming the tensor (raised from the threads that repack, the other weights'
+    buffer freed), and ``repack=False`` loads the file as it is."""
+    from toy.gguf import GGUFError
+
+    src = model_files["wide_q4_0"]
+    with GGUFFile(src) as gf:
+        info = gf.tensors["blk.1.ffn_up.weight"]
+        at = gf.data_offset + info.offset
+    if not rt.repack_layout(info.dtype, info.shape):
+        pytest.skip(f"no repacked Q4_0 layout on this CPU ({tg.cpu_variant().tag})")
+    data = bytearray(src.read_bytes())
+    data[at : at + 2] = np.array([np.nan], np.float16).tobytes()  # the first block's scale
+    bad = tmp_path / "damaged.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(GGUFError, match=r"'blk\.1\.ffn_up\.weight' \(Q4_0\)") as e:
+        FullModel.load(bad, rt, kv_type=None, kv_pad=1, repack=True)
+    if "repack=False" not in str(e.value) + str(getattr(e.value, "hint", "")):
+        raise AssertionError(f"no hint to load without repacking: {e.value!r}")
+    m = FullModel.load(bad, rt, kv_type=None, kv_pad=1, repack=False)
+    m.close()

@@ -627,10 +627,15 @@ cdef class Tensor:
         cdef size_t n = ggml_nbytes(self.ptr)
         if <size_t>c.shape[0] != n:
             raise ValueError(f"got {c.shape[0]} bytes, tensor holds {n}")
-        if not ggml_validate_row_data(self.ptr.type, cnp.PyArray_DATA(c), n):
+        cdef const void * src = <const void *>cnp.PyArray_DATA(c)
+        cdef ggml_tensor * t = self.ptr
+        cdef bint valid
+        with nogil:  # both can take a while on a large weight (a repacked layout is built here): other threads run
+            valid = ggml_validate_row_data(t.type, src, n)
+            if valid:
+                ggml_backend_tensor_set(t, src, 0, n)
+        if not valid:
             raise ValueError(f"data is not valid {self.dtype.name} (NaN/inf scales or values)")
-        with nogil:
-            ggml_backend_tensor_set(self.ptr, <const void *>cnp.PyArray_DATA(c), 0, n)
         _check_rpc_buffer(self.ptr)
 
     def set_float(self, array):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import toy_ggml
@@ -138,7 +139,9 @@ def bind_tensors(
                 bound.product_copies[tied.name] = head
                 copies.append((tied, head))
             pctx.allocate(runtime, weights=True, repack=True)
-            for info, dest in copies:
+
+            def fill(job: tuple[TensorInfo, toy_ggml.Tensor]) -> None:
+                info, dest = job
                 try:
                     dest.set_raw(gf.tensor_bytes(info.name))
                 except ValueError as e:  # ggml's row check: NaN/inf scales, which repacking refuses
@@ -147,6 +150,11 @@ def bind_tensors(
                         hint="the file is damaged; load it with repack=False to use it as it is",
                     ) from None
                 _release(gf, gf.data_offset + info.offset, info.nbytes)
+
+            # the runtime's threads repack the weights side by side (set_raw runs without the GIL)
+            with ThreadPoolExecutor(max_workers=max(1, min(runtime.threads, len(copies)))) as pool:
+                for _ in pool.map(fill, copies):
+                    pass
         if out and zero_copy:
             # a split model's local weights are marked as weights: the scheduler then runs their ops here
             # (unmarked, it would run the head on a remote device and send it the head's weights every step)
