@@ -90,8 +90,8 @@ def test_decode_equals_the_full_forward(rt, shape, flash):
         ("qwen3moe-tiny", "q8_0", False),
         ("olmoe-k", "q4_k_m", False),
         ("qwen2moe-k", "q4_k_m", False),
-        ("olmoe-k", "q4_k_m", True),  # the Q4_K experts in ggml's repacked layout (toy.load's default)
-        ("qwen2moe-k", "q4_k_m", True),
+        ("olmoe-k", "q4_k_m", "all"),  # the Q4_K weights in ggml's repacked layout (toy.load(repack="all"))
+        ("qwen2moe-k", "q4_k_m", "all"),
     ],
 )
 def test_batched_decode_is_bit_identical_to_solo(rt, shape, outtype, repack):
@@ -145,7 +145,28 @@ def _router_choices(rt, path, ids):
     return moe_ref.llamacpp_topk(probs, cfg.n_expert_used), probs
 
 
-def _first_moe_block(rt, path, u: np.ndarray, repack: bool) -> tuple[np.ndarray, set[str]]:
+def test_k_quants_are_repacked_only_when_asked(rt):
+    """The default repacks the types that are faster repacked for prefill too (Q4_0, IQ4_NL), so a Q4_K_M
+    file stays as it is; ``repack="all"`` moves its Q4_K weights (2-D and experts); anything else is a
+    clear error from toy.load."""
+    import toy
+    from toy.errors import BadInputError
+
+    path = moe_ref.gguf_path("olmoe-k", 0, "q4_k_m")
+    with GGUFFile(path) as gf:
+        got = {}
+        for repack in (True, "all"):
+            bound = bind_tensors(gf, rt, repack=repack)
+            got[repack] = {gf.tensors[n].dtype for n in bound.repacked}
+            bound.close()
+    if not rt.repack_layout(tg.GGMLType.Q4_K, (256, 256)):
+        pytest.skip(f"no repacked Q4_K layout on this CPU ({tg.cpu_variant().tag})")
+    assert got == {True: set(), "all": {tg.GGMLType.Q4_K}}, got
+    with pytest.raises(BadInputError, match="repack='yes' must be True, False or 'all'"):
+        toy.load(path, repack="yes")
+
+
+def _first_moe_block(rt, path, u: np.ndarray, repack) -> tuple[np.ndarray, set[str]]:
     """Layer 0's MoE feed-forward (``toy.models.moe.ffn``) of ``u`` (T, d) on ``path``'s weights, bound
     as ``toy.load`` binds them (``repack``) or in the file's layout, and the names of the repacked weights."""
     from toy.models import config_from_gguf, moe
@@ -170,7 +191,7 @@ def _first_moe_block(rt, path, u: np.ndarray, repack: bool) -> tuple[np.ndarray,
 
 @pytest.mark.parametrize("shape", ["olmoe-k", "qwen2moe-k", "qwen3moe-k"])
 def test_repacked_experts_give_the_plain_products_within_rounding(rt, shape):
-    """The Q4_K experts in ggml's repacked layout (toy.load's default) against the file's plain layout, on
+    """The Q4_K experts in ggml's repacked layout (``toy.load(repack="all")``) against the file's plain layout, on
     llama.cpp's Q4_K_M mix: layer 0's MoE feed-forward of the same 24 input rows gives the plain output
     within float32 rounding (1e-6 of its largest value) on most rows, and within 1e-3 on all: the down
     projection quantizes its input (the gate/up products) to 8 bits, and where a rounding difference lands
@@ -184,7 +205,7 @@ def test_repacked_experts_give_the_plain_products_within_rounding(rt, shape):
     for seed in (5, 6, 7):
         u = np.random.default_rng(seed).standard_normal((24, d)).astype(np.float32)
         want, _ = _first_moe_block(rt, path, u, False)
-        got, packed = _first_moe_block(rt, path, u, True)
+        got, packed = _first_moe_block(rt, path, u, "all")
         if not packed:
             pytest.skip(f"no repacked Q4_K layout on this CPU ({tg.cpu_variant().tag})")
         assert {f"blk.0.ffn_{w}_exps.weight" for w in ("gate", "up")} <= packed, packed

@@ -78,6 +78,7 @@ from toy.engine.sampling import SamplingParams, TokenLogprob
 from toy.engine.split import RemoteDeviceError
 from toy.errors import BadInputError
 from toy.gguf import GGUFFile, bind_tensors
+from toy.gguf.bind import REPACK_CHOICES
 from toy.tokenizer import ChatTemplate, Tokenizer
 
 DEFAULT_MAX_CTX = 4096
@@ -629,7 +630,7 @@ def load(
     adapters=None,
     rpc: str | Sequence[str] = (),
     tensor_split: str | Sequence[float] | None = None,
-    repack: bool = True,
+    repack: bool | str = True,
 ) -> Model:
     """Open a GGUF model of any registered architecture for generation.
 
@@ -658,13 +659,17 @@ def load(
     ``tensor_split`` (one share per device, local first: ``[3, 1]`` or
     "3,1"). ``RemoteDeviceError`` when an endpoint cannot be used.
     ``repack``: on the CPU (one device), the weights of the types whose
-    repacked layout keeps each row's bits in toy's row-invariant products
-    (``toy.gguf.bind.REPACK_TYPES``: Q4_0, IQ4_NL, Q4_K, Q2_K) are copied once
+    repacked layout keeps each row's bits and speeds up prefill as well as
+    decode (``toy.gguf.bind.REPACK_TYPES``: Q4_0, IQ4_NL) are copied once
     into ggml's interleaved layout where this CPU has one, for its faster
     product kernels, as llama.cpp does by default: the projections, a
     separate head or a copy of the embedding a head is tied to, a mixture's
-    experts. The products differ from the file's plain layout by float
-    rounding only. False keeps every weight in the mapped file."""
+    experts. ``"all"`` adds Q4_K and Q2_K (``REPACK_ALL_TYPES``): faster
+    decode, slower prefill of long prompts. The products differ from the
+    file's plain layout by float rounding only. False keeps every weight in
+    the mapped file."""
+    if repack not in REPACK_CHOICES or not isinstance(repack, (bool, str)):
+        raise BadInputError(f"repack={repack!r} must be True, False or 'all'", field="repack")
     endpoints = split.parse_endpoints(rpc)
     shares = split.parse_tensor_split(tensor_split)
     path = _resolve(model, fetch)

@@ -31,14 +31,18 @@ from dataclasses import dataclass, field
 import toy_ggml
 from toy.gguf.reader import GGUFError, GGUFFile, TensorInfo
 
-#: the types whose repacked product kernels toy uses: ggml's layouts whose kernels give each row of a
-#: row-invariant product (toy's engine hints its products so) the bits of that row alone, as exact batching
-#: and speculative decoding need (toy-ggml's test_repack.py proves it on every CPU variant the tests run).
-#: For Q4_K and Q2_K that takes patch 0026 (the hinted rows go through the 1-row kernel); a mixture's
-#: experts (``mul_mat_id``) always do.
-REPACK_TYPES = frozenset(
-    {toy_ggml.GGMLType.Q4_0, toy_ggml.GGMLType.IQ4_NL, toy_ggml.GGMLType.Q4_K, toy_ggml.GGMLType.Q2_K}
-)
+#: the types toy repacks by default: ggml's layouts whose kernels give each row of a product the bits of
+#: that row alone, as exact batching and speculative decoding need (toy-ggml's test_repack.py proves it on
+#: every CPU variant the tests run), and that are faster than the plain layout for prefill as well as for
+#: decode (on 2 Zen 4 cores, a 512-row Q4_0 product 15.3 ms repacked against 22.5 ms plain; experts 11.3
+#: against 23.4 ms).
+REPACK_TYPES = frozenset({toy_ggml.GGMLType.Q4_0, toy_ggml.GGMLType.IQ4_NL})
+#: with ``repack="all"``, also the K-quant layouts (row-invariant in toy's hinted products through patch
+#: 0026): faster one-row products (decode), slower many-row ones where not hinted (a prefill without exact
+#: batching: a 512-row Q4_K product 14.5 ms repacked against 8.3 ms plain; experts 14.2 against 6.1 ms)
+REPACK_ALL_TYPES = REPACK_TYPES | {toy_ggml.GGMLType.Q4_K, toy_ggml.GGMLType.Q2_K}
+#: the values ``repack`` takes
+REPACK_CHOICES = (False, True, "all")
 
 #: the weights read only as a product's first operand (a repacked weight can be nothing else): the
 #: projections of every architecture toy runs (a mixture's shared expert too), and the output head (not
@@ -53,10 +57,12 @@ _EXPERT_WEIGHTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.
 _EMBEDDING = "token_embd.weight"
 
 
-def _repackable(info: TensorInfo, runtime: toy_ggml.Runtime, head: bool = False) -> bool:
+def _repackable(
+    info: TensorInfo, runtime: toy_ggml.Runtime, types: frozenset[toy_ggml.GGMLType], head: bool = False
+) -> bool:
     """Whether ``info`` goes into ggml's repacked layout: a projection or a mixture's experts (or, ``head``,
-    the embedding a tied head reads) of a type in ``REPACK_TYPES``, with a layout for its shape on this CPU."""
-    if info.dtype not in REPACK_TYPES or not (head or info.name.startswith("blk.") or info.name == "output.weight"):
+    the embedding a tied head reads) of one of ``types``, with a layout for its shape on this CPU."""
+    if info.dtype not in types or not (head or info.name.startswith("blk.") or info.name == "output.weight"):
         return False
     if len(info.shape) == 3:
         if not info.name.endswith(_EXPERT_WEIGHTS):
@@ -96,16 +102,20 @@ def bind_tensors(
     gf: GGUFFile,
     runtime: toy_ggml.Runtime | None = None,
     device_of: Callable[[str], str | None] | None = None,
-    repack: bool = False,
+    repack: bool | str = False,
 ) -> BoundTensors:
     """Make a ggml tensor for every tensor of ``gf``: zero-copy on the CPU
     (``runtime`` None or a CPU runtime), copied to ``runtime``'s device
     otherwise. ``device_of`` (a split model): the backend name of ``runtime``
     that holds each tensor by GGUF name (None or the primary's: as above).
-    ``repack`` (a CPU runtime, one device): the projection weights with a
-    repacked layout on this CPU are copied into it (``BoundTensors.repacked``
-    names them); such a weight can only be a product's first operand and
-    cannot be read back through ggml, so only inference asks for it."""
+    ``repack`` (a CPU runtime, one device): the weights of ``REPACK_TYPES``
+    (``"all"``: ``REPACK_ALL_TYPES``) with a repacked layout on this CPU are
+    copied into it (``BoundTensors.repacked`` names them); such a weight can
+    only be a product's first operand and cannot be read back through ggml,
+    so only inference asks for it."""
+    if repack not in REPACK_CHOICES:
+        raise ValueError(f"repack={repack!r}: expected one of {', '.join(map(repr, REPACK_CHOICES))}")
+    types = REPACK_ALL_TYPES if repack == "all" else REPACK_TYPES
     primary = "" if runtime is None else runtime.backends[0]
     where: dict[str, list[TensorInfo]] = {}
     for info in gf.tensors.values():
@@ -115,7 +125,7 @@ def bind_tensors(
     zero_copy = runtime is None or runtime.device == "CPU"
     packed: list[TensorInfo] = []
     if repack and runtime is not None and zero_copy and not split:
-        packed = [info for info in where.get(primary, ()) if _repackable(info, runtime)]
+        packed = [info for info in where.get(primary, ()) if _repackable(info, runtime, types)]
         if packed:
             names = {info.name for info in packed}
             where[primary] = [info for info in where[primary] if info.name not in names]
@@ -127,7 +137,7 @@ def bind_tensors(
     tied = None  # the embedding a tied head reads, when it gets a repacked copy
     if repack and runtime is not None and zero_copy and not split and "output.weight" not in gf.tensors:
         embd = gf.tensors.get(_EMBEDDING)
-        if embd is not None and _repackable(embd, runtime, head=True):
+        if embd is not None and _repackable(embd, runtime, types, head=True):
             tied = embd
     try:
         if packed or tied is not None:

@@ -63,7 +63,7 @@ class FullModel:
         runtime: toy_ggml.Runtime,
         kv_type=toy_ggml.GGMLType.F16,
         kv_pad: int = 32,
-        repack: bool = False,
+        repack: bool | str = False,
     ) -> FullModel:
         from toy.gguf import GGUFFile, bind_tensors
 
