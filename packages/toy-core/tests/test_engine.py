@@ -496,6 +496,16 @@ def test_bad_negative_id_is_named(rt, models):
         e.close()
 
 
+def _like_plain(rt, packed, plain, ids) -> np.ndarray:
+    """Prefill (5 tokens) then decode logits of ``packed``: within float32 rounding of ``plain``'s, the same
+    greedy tokens; returns them."""
+    want = prefill_then_decode(engine(plain, rt, n_ctx=64), ids, 5)
+    got = prefill_then_decode(engine(packed, rt, n_ctx=64), ids, 5)
+    assert rel_err(got, want) < 1e-5, rel_err(got, want)
+    assert [int(np.argmax(r)) for r in got] == [int(np.argmax(r)) for r in want]
+    return got
+
+
 def test_repacked_weights_give_the_plain_logits_within_rounding(rt, models):
     """The Q4_0 model with its projections in ggml's repacked layout (toy.gguf.bind, ``repack``): prefill and
     decode logits within float32 rounding of the same file's plain weights (the same quantized values, the
@@ -505,11 +515,7 @@ def test_repacked_weights_give_the_plain_logits_within_rounding(rt, models):
     assert names and all(n.startswith("blk.") or n == "output.weight" for n in names)
     assert not any(n.endswith(("token_embd.weight", "norm.weight")) for n in names)
     assert not plain.weights.repacked
-    ids = tokens(12, seed=3)
-    want = prefill_then_decode(engine(plain, rt, n_ctx=64), ids, 5)
-    got = prefill_then_decode(engine(packed, rt, n_ctx=64), ids, 5)
-    assert rel_err(got, want) < 1e-5, rel_err(got, want)
-    assert [int(np.argmax(r)) for r in got] == [int(np.argmax(r)) for r in want]
+    _like_plain(rt, packed, plain, tokens(12, seed=3))
     assert "output.weight" in names and not packed.weights.product_copies  # an untied head is repacked itself
 
 
@@ -528,10 +534,7 @@ def test_tied_head_reads_a_repacked_copy_of_the_embedding(rt, models, model_file
     assert np.array_equal(packed.weights["token_embd.weight"].raw(), plain.weights["token_embd.weight"].raw())
     assert not plain.weights.product_copies
     ids = tokens(12, seed=4)
-    want = prefill_then_decode(engine(plain, rt, n_ctx=64), ids, 5)
-    got = prefill_then_decode(engine(packed, rt, n_ctx=64), ids, 5)
-    assert rel_err(got, want) < 1e-5, rel_err(got, want)
-    assert [int(np.argmax(r)) for r in got] == [int(np.argmax(r)) for r in want]
+    got = _like_plain(rt, packed, plain, ids)
     uncopied = FullModel.load(model_files["wide_tied_q4_0"], rt, kv_type=None, kv_pad=1, repack=True)
     try:
         uncopied.weights.product_copies.clear()  # the projections repacked, the head on the file's embedding

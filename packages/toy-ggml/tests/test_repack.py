@@ -56,29 +56,37 @@ def _layout(qtype) -> bool:
         rt.close()
 
 
-def _products(
-    qtype, raw: bytes, xs: list[np.ndarray], *, repack: bool, threads: int, row_invariant: bool = False
-) -> list[np.ndarray]:
+def _compute(qtype, shape, raw: bytes, cases, product, *, repack: bool, threads: int) -> list[np.ndarray]:
+    """``product(ops, w, *inputs)`` for each case (a tuple of arrays, int32 ones as I32) with the weight
+    ``w`` (``shape``, ``raw`` bytes of ``qtype``) allocated in the repacked layout or not."""
     rt = tg.Runtime("cpu", threads=threads)
     cw = tg.Context(max_tensors=4)
     try:
-        wt = cw.tensor(qtype, (OUT, IN), name="w")
+        wt = cw.tensor(qtype, shape, name="w")
         cw.allocate(rt, weights=True, repack=repack)
         wt.set_raw(raw)
         outs = []
-        for x in xs:
+        for case in cases:
             with tg.Context(max_tensors=16) as ops:
-                xt = ops.tensor(F32, x.shape)
-                y = ops.mul_mat(wt, xt, row_invariant=row_invariant).set_output()
+                ts = [ops.tensor(tg.GGMLType.I32 if a.dtype == np.int32 else F32, a.shape) for a in case]
+                y = product(ops, wt, *ts).set_output()
                 g = tg.Graph(ops, size=64).build_forward(y)
                 ops.allocate(rt)
-                xt.set(x)
+                for t, a in zip(ts, case):
+                    t.set(a)
                 rt.compute(g)
                 outs.append(y.numpy().copy())
         return outs
     finally:
         cw.close()
         rt.close()
+
+
+def _products(qtype, raw, xs, *, repack: bool, threads: int, row_invariant: bool = False) -> list[np.ndarray]:
+    def product(ops, w, x):
+        return ops.mul_mat(w, x, row_invariant=row_invariant)
+
+    return _compute(qtype, (OUT, IN), raw, [(x,) for x in xs], product, repack=repack, threads=threads)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -123,28 +131,11 @@ E = 4  # experts of the expert test (E, OUT, IN)
 
 
 def _expert_products(qtype, raw, xs, sels, *, repack: bool, threads: int, row_invariant=True) -> list[np.ndarray]:
-    rt = tg.Runtime("cpu", threads=threads)
-    cw = tg.Context(max_tensors=4)
-    try:
-        wt = cw.tensor(qtype, (E, OUT, IN), name="experts")
-        cw.allocate(rt, weights=True, repack=repack)
-        wt.set_raw(raw)
-        outs = []
-        for x, sel in zip(xs, sels):
-            with tg.Context(max_tensors=16) as ops:
-                xt = ops.tensor(F32, x.shape)
-                it = ops.tensor(tg.GGMLType.I32, sel.shape)
-                y = ops.mul_mat_id(wt, xt, it, row_invariant=row_invariant).set_output()
-                g = tg.Graph(ops, size=64).build_forward(y)
-                ops.allocate(rt)
-                xt.set(x)
-                it.set(sel)
-                rt.compute(g)
-                outs.append(y.numpy().copy())
-        return outs
-    finally:
-        cw.close()
-        rt.close()
+    def product(ops, w, x, sel):
+        return ops.mul_mat_id(w, x, sel, row_invariant=row_invariant)
+
+    cases = list(zip(xs, sels))
+    return _compute(qtype, (E, OUT, IN), raw, cases, product, repack=repack, threads=threads)
 
 
 @pytest.mark.parametrize("hinted", [True, False], ids=["hinted", "unhinted"])

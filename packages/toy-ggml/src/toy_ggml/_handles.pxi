@@ -188,7 +188,7 @@ cdef class _Handle:
         if self._closed and self._n_dependents == 0 and not self._freed:
             self._freed = True
             self._free_resources()
-            deps = self._deps
+            deps = self._deps or ()  # None after the garbage collector cleared a cycle's attributes
             self._deps = []
             for d in deps:
                 d._n_dependents -= 1

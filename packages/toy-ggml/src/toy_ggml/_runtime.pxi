@@ -265,7 +265,9 @@ cdef class Runtime(_Handle):
         if self._tp != NULL:
             _tp_free(self._tp)
             self._tp = NULL
-        for a in self._extras:
+        # None when the garbage collector cleared this object's attributes before its dealloc (a Runtime
+        # in a reference cycle, freed by gc): nothing to iterate then (the process is usually exiting)
+        for a in self._extras or ():
             ggml_backend_free(<ggml_backend_t><uintptr_t>a)
         self._extras = []
         if self._primary != NULL and self._primary != self._cpu:
