@@ -198,7 +198,9 @@ def main() -> None:
     ap.add_argument("--device", help="a device toy_ggml lists, or cpu (default: TOY_DEVICE, else auto)")
     ap.add_argument("--expect-native", metavar="DIR", help="fail unless toy_ggml is a native build from under DIR")
     ap.add_argument("--lora", help="a LoRA adapter GGUF applied at scale 1")
-    ap.add_argument("--no-repack", action="store_true", help="every weight in the file's layout (repack=False)")
+    ap.add_argument(
+        "--repack", choices=("on", "off", "all"), default="on", help="toy.load's repack: True, False or 'all'"
+    )
     args = ap.parse_args()
     ggml = ggml_info(args.expect_native)
 
@@ -206,7 +208,14 @@ def main() -> None:
         spec = json.load(f)
     prompts, short = spec["prompts"], spec["short"]
 
-    side = ToySide(args.model, args.n_ctx, args.threads, args.device, args.lora, not args.no_repack)
+    side = ToySide(
+        args.model,
+        args.n_ctx,
+        args.threads,
+        args.device,
+        args.lora,
+        {"on": True, "off": False}.get(args.repack, args.repack),
+    )
     side.rep(prompts, short, args.new_tokens, warm_up=True)  # warm-up: builds every graph the reps use
     eng = side.m.engine
     builds = eng.stats.graph_builds

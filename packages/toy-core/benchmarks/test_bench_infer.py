@@ -94,7 +94,7 @@ Decode per weight type (``test_decode_per_type``, issue 43): SmolLM2
 converted by ``toy.gguf.quantize_model`` from the F32 file to each of F32,
 F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K and IQ4_NL
 (``$TOY_BENCH_DECODE_TYPES`` chooses), four sides alternating the reps:
-toy as it loads by default (repacked weights where row-invariant), toy with
+toy as it loads by default (Q4_0 and IQ4_NL weights repacked), toy with
 ``repack=False``, llama.cpp as it runs by default (ggml's CPU extra buffer
 types: weights repacked into interleaved layouts where ggml has them for the
 type and CPU), and llama.cpp without them (``PEER_NO_EXTRA_BUFTS``). One record
@@ -287,6 +287,7 @@ def run_sides(
     profile: bool = False,
     lora: Path | None = None,
     plain_toy: bool = False,
+    toy_repack: str = "on",
 ) -> dict:
     """Start toy (then toy on the native toy_ggml when ``native`` is given,
     then llama.cpp), wait for each to warm up, alternate the reps.
@@ -296,16 +297,18 @@ def run_sides(
     (``PEER_NO_EXTRA_BUFTS``: no repacked weights), ``peer_norepack``;
     ``profile``: after the reps, toy's decode step op by op (``toy_profile``);
     ``lora``: an adapter every side applies at scale 1; ``plain_toy``: a second toy side with every weight
-    in the file's layout (``repack=False``), ``toy_plain``."""
+    in the file's layout (``repack=False``), ``toy_plain``; ``toy_repack``: the toy side's ``--repack``
+    (``on``: toy.load's default, ``all``: K-quants too)."""
     args = ["--model", str(model), "--ids", str(ids), "--threads", str(THREADS), "--n-ctx", str(N_CTX)]
     args += ["--new-tokens", str(new_tokens)] + (["--lora", str(lora)] if lora is not None else [])
     sides: dict[str, Side] = {}
     out: dict = {"reps": {"toy": [], "peer": []}}
     try:
-        sides["toy"] = Side("toy", [sys.executable, str(TOY_SCRIPT), *args], logdir, timeout_s=SIDE_TIMEOUT_S)
+        argv = [sys.executable, str(TOY_SCRIPT), *args, "--repack", toy_repack]
+        sides["toy"] = Side("toy", argv, logdir, timeout_s=SIDE_TIMEOUT_S)
         out["toy_ready"] = sides["toy"].read()
         if plain_toy:
-            argv = [sys.executable, str(TOY_SCRIPT), *args, "--no-repack"]
+            argv = [sys.executable, str(TOY_SCRIPT), *args, "--repack", "off"]
             sides["toy_plain"] = Side("toy_plain", argv, logdir, timeout_s=SIDE_TIMEOUT_S)
             out["reps"]["toy_plain"] = []
             out["toy_plain_ready"] = sides["toy_plain"].read()
@@ -423,11 +426,12 @@ def test_decode_per_type(record, type_models, prompt_ids, tmp_path, dtype):
 
 
 def test_decode_moe_layouts(record, tmp_path):
-    """The same sides and profile on the OLMoE-shaped Q4_K_M model of ``test_inference_moe``, whose Q4_K
-    experts and attn_q both sides keep in ggml's repacked layout (toy's row-invariant: ``mul_mat_id`` runs
-    the 1-row kernel, and patch 0026 keeps toy's hinted 2-D products on it)."""
+    """The same sides and profile on the OLMoE-shaped Q4_K_M model of ``test_inference_moe``, toy loading it
+    with ``repack="all"`` (its Q4_K experts and attn_q in ggml's repacked layout, as llama.cpp keeps them;
+    the ``toy_plain`` side is what toy.load's default does with this file: no Q4_0 or IQ4_NL in it)."""
     model = moe_bench_model()
-    decode_layouts(record, model, write_prompt_ids(model, tmp_path), tmp_path, "Q4_K_M", GPT2_NEW_TOKENS, MOE_TAG)
+    ids = write_prompt_ids(model, tmp_path)
+    decode_layouts(record, model, ids, tmp_path, "Q4_K_M", GPT2_NEW_TOKENS, f"{MOE_TAG}, repack=all", toy_repack="all")
 
 
 @pytest.mark.parametrize("dtype", ["Q4_0", "Q8_0"])
@@ -445,7 +449,15 @@ def test_decode_lora(record, type_models, prompt_ids, tmp_path, dtype):
 
 
 def decode_layouts(
-    record, model: Path, ids: Path, tmp_path: Path, dtype: str, new_tokens: int, tag=None, lora: Path | None = None
+    record,
+    model: Path,
+    ids: Path,
+    tmp_path: Path,
+    dtype: str,
+    new_tokens: int,
+    tag=None,
+    lora: Path | None = None,
+    toy_repack: str = "on",
 ) -> None:
     """Decode tokens/s: toy against llama.cpp with its repacked layouts and without them, reps alternated;
     toy's decode step op by op; the record of ``test_decode_per_type``."""
@@ -455,7 +467,9 @@ def decode_layouts(
 
     python = peer_python()
     peer_sides = {"norepack_peer": python is not None, "plain_toy": True}
-    res = run_sides(model, ids, python, tmp_path, new_tokens, profile=True, lora=lora, **peer_sides)
+    res = run_sides(
+        model, ids, python, tmp_path, new_tokens, profile=True, lora=lora, toy_repack=toy_repack, **peer_sides
+    )
     tf = figures(res["reps"]["toy"])
     pf = figures(res["reps"]["peer"]) if python is not None else None
     nf = figures(res["reps"]["peer_norepack"]) if python is not None else None
@@ -487,6 +501,7 @@ def decode_layouts(
         ratio_norepack=toy_v / norepack_v if norepack_v else None,
         repack_gain=peer_v / norepack_v if peer_v and norepack_v else None,
         toy_plain_value=plain_v,
+        toy_repack=toy_repack,
         toy_repack_gain=toy_v / plain_v,
         better="higher",
         target="toy / llama.cpp >= 1.0 (>= 1.1 for Q4_1, Q8_0, F32)",

@@ -55,8 +55,8 @@ and check them by sha256 before comparing (the comparison itself is
 
 What is compared (``test_*_equal_llamacpp``, marked ``avx2_reference``: the
 recorded outputs are AVX2 arithmetic; toy loads the weights in the file's
-layout, ``repack=False``, as the records' llama.cpp kept them: toy's default
-repacks the Q4_K experts, whose other summation order can move a near-tied
+layout, ``repack=False``, as the records' llama.cpp kept them: repacked Q4_K
+experts, ``repack="all"``, sum in another order, which can move a near-tied
 routing, test_moe.py): the prompt ids, the 24 greedy tokens
 exactly, and logits: the first 8 of the prompt's last position (toy's
 ``logits``, every row's head computed as llama.cpp's ``logits_all``) and the

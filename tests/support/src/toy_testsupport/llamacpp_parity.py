@@ -46,20 +46,20 @@ def weights_sha256(path) -> str:
     return h.hexdigest()
 
 
-def toy_tokens(model_path, prompts, *, n_gen: int, threads: int = 1, lora=None, repack: bool = False) -> dict:
+def toy_tokens(model_path, prompts, *, n_gen: int, threads: int = 1, lora=None) -> dict:
     """toy's prompt ids (its tokenizer, the file's BOS rule), greedy tokens
     (``generate``), the prompt's last-position logits (``logits``: every
     row's head computed, as llama.cpp's ``logits_all``) and the chosen
     token's logit at each greedy step through the decode path ``generate``
     takes (the engine's prefill of the prompt, then one-token decodes), all
     with toy's defaults: F16 KV cache, no flash attention (and Gemma's GELU
-    "table"). The weights stay in the file's layout unless ``repack``: the
-    records are llama.cpp's plain CPU kernels (``use_extra_bufts`` false
-    where the type has a repacked layout), which toy's plain ones equal."""
+    "table"). The weights stay in the file's layout (``repack=False``): the
+    records whose files have repackable types are llama.cpp's plain CPU
+    kernels (``use_extra_bufts`` false), which toy's plain ones equal."""
     import toy
 
     out = {"prompt_ids": [], "greedy": [], "last_prompt_logits": [], "greedy_logits": []}
-    load = {"n_ctx": 256, "kv_type": "f16", "flash_attn": False, "repack": repack}
+    load = {"n_ctx": 256, "kv_type": "f16", "flash_attn": False, "repack": False}
     with toy.load(model_path, threads=threads, lora=lora, **load) as m:
         for p in prompts:
             ids = m.tokenize(p)
@@ -148,9 +148,8 @@ class Recorded:
         base = self.lora_base(shape)
         return seeded_adapter(base, out_path, base_name=base.name, **self.lora[shape])
 
-    def toy_tokens(self, model_path, prompts, lora=None, n_gen: int | None = None, repack: bool = False) -> dict:
-        n_gen = n_gen or self.n_gen
-        return toy_tokens(model_path, prompts, n_gen=n_gen, threads=self.threads, lora=lora, repack=repack)
+    def toy_tokens(self, model_path, prompts, lora=None, n_gen: int | None = None) -> dict:
+        return toy_tokens(model_path, prompts, n_gen=n_gen or self.n_gen, threads=self.threads, lora=lora)
 
     def assert_like_llamacpp(self, got: dict, prompts: list[dict], what: str) -> None:
         assert_like_llamacpp(got, prompts, what, self.atol)

@@ -124,8 +124,10 @@ def bind_tensors(
     split = len(where) > 1 or primary not in where
     zero_copy = runtime is None or runtime.device == "CPU"
     packed: list[TensorInfo] = []
-    if repack and runtime is not None and zero_copy and not split:
-        packed = [info for info in where.get(primary, ()) if _repackable(info, runtime, types)]
+    # the runtime whose CPU repacks the weights (None: nothing is repacked)
+    cpu = runtime if repack and zero_copy and not split else None
+    if cpu is not None:
+        packed = [info for info in where.get(primary, ()) if _repackable(info, cpu, types)]
         if packed:
             names = {info.name for info in packed}
             where[primary] = [info for info in where[primary] if info.name not in names]
@@ -135,20 +137,23 @@ def bind_tensors(
         out[info.name] = ctx.tensor(info.dtype, info.shape, name=info.name)
     bound = BoundTensors(ctx, out, zero_copy, repacked=frozenset(info.name for info in packed))
     tied = None  # the embedding a tied head reads, when it gets a repacked copy
-    if repack and runtime is not None and zero_copy and not split and "output.weight" not in gf.tensors:
-        embd = gf.tensors.get(_EMBEDDING)
-        if embd is not None and _repackable(embd, runtime, types, head=True):
-            tied = embd
+    embd = gf.tensors.get(_EMBEDDING)
+    if (
+        cpu is not None
+        and "output.weight" not in gf.tensors
+        and embd is not None
+        and _repackable(embd, cpu, types, head=True)
+    ):
+        tied = embd
     try:
-        if packed or tied is not None:
-            assert runtime is not None
+        if cpu is not None and (packed or tied is not None):
             pctx = _weights_context(bound, packed)
             copies = [(info, out[info.name]) for info in packed]
             if tied is not None:
                 head = pctx.tensor(tied.dtype, tied.shape, name=f"{tied.name}.head")
                 bound.product_copies[tied.name] = head
                 copies.append((tied, head))
-            pctx.allocate(runtime, weights=True, repack=True)
+            pctx.allocate(cpu, weights=True, repack=True)
 
             def fill(job: tuple[TensorInfo, toy_ggml.Tensor]) -> None:
                 info, dest = job
@@ -162,7 +167,7 @@ def bind_tensors(
                 _release(gf, gf.data_offset + info.offset, info.nbytes)
 
             # the runtime's threads repack the weights side by side (set_raw runs without the GIL)
-            with ThreadPoolExecutor(max_workers=max(1, min(runtime.threads, len(copies)))) as pool:
+            with ThreadPoolExecutor(max_workers=min(cpu.threads, len(copies))) as pool:
                 for _ in pool.map(fill, copies):
                     pass
         if out and zero_copy:
