@@ -2,7 +2,8 @@
 
 ggml's CPU backend stores some quantized weights in interleaved layouts with product kernels of their
 own (its CPU_REPACK extra buffer type: Q4_0, IQ4_NL and Q4_K on AVX2/AVX-512 x86, Q2_K on AVX-512,
-rows a multiple of 8); llama.cpp uses them by default. Checked here, for every such type the CPU this
+rows a multiple of 8); llama.cpp uses them by default. Patch 0028 adds toy's own for Q8_0 and Q4_1 on x86
+variants with AVX-512 VNNI (rows a multiple of 4), whose products are the plain vec_dot products' bits. Checked here, for every such type the CPU this
 runs on has, and again in a process on the AVX2 variant (haswell) when this one loaded another:
 
 - the layout query agrees with what ggml does with the tensor (a weight it would not repack is refused
@@ -11,7 +12,7 @@ runs on has, and again in a process on the AVX2 variant (haswell) when this one 
   float64 product of the dequantized weight within the quantized product's tolerance;
 - row invariance, which toy's exact batching and speculative decoding rely on: each row of a product
   of 1 to 13 rows is bit-identical to that row's product alone (ggml computes 4-row blocks with its
-  gemm kernel and the rest with its gemv kernel), for 1 to 3 threads. It holds for Q4_0 and IQ4_NL;
+  gemm kernel and the rest with its gemv kernel), for 1 to 3 threads. It holds for Q4_0, IQ4_NL, Q8_0 and Q4_1;
   not for Q4_K and Q2_K (expected failures), unless the product is hinted row-invariant
   (``mul_mat(row_invariant=True)``, as toy's engine asks): then patch 0026 runs those layouts' rows
   through the gemv kernel alone, and it holds for all four;
@@ -40,11 +41,24 @@ _NOT_INVARIANT = pytest.mark.xfail(reason="ggml's 4-row kernel rounds differentl
 TYPES = [
     tg.GGMLType.Q4_0,
     tg.GGMLType.IQ4_NL,
+    tg.GGMLType.Q8_0,
+    tg.GGMLType.Q4_1,
     pytest.param(tg.GGMLType.Q4_K, marks=_NOT_INVARIANT, id="Q4_K"),
     pytest.param(tg.GGMLType.Q2_K, marks=_NOT_INVARIANT, id="Q2_K"),
 ]
 # the row-invariant cases (hinted products, experts): all four
-ALL_TYPES = [tg.GGMLType.Q4_0, tg.GGMLType.IQ4_NL, tg.GGMLType.Q4_K, tg.GGMLType.Q2_K]
+ALL_TYPES = [
+    tg.GGMLType.Q4_0,
+    tg.GGMLType.IQ4_NL,
+    tg.GGMLType.Q8_0,
+    tg.GGMLType.Q4_1,
+    tg.GGMLType.Q4_K,
+    tg.GGMLType.Q2_K,
+]
+# toy's own layouts (patch 0028): their products are the plain layout's one-row (vec_dot) products bit for bit
+EXACT_TYPES = (tg.GGMLType.Q8_0, tg.GGMLType.Q4_1)
+# the layouts whose gemm gives each row the gemv's bits without a hint
+INVARIANT_TYPES = (tg.GGMLType.Q4_0, tg.GGMLType.IQ4_NL, tg.GGMLType.Q8_0, tg.GGMLType.Q4_1)
 OUT, IN = 72, 512  # 72 rows: a multiple of 8; 512 columns: whole blocks of every type above
 
 
@@ -111,6 +125,8 @@ def _check_products(qtype, *, row_invariant: bool) -> None:
     shapes = [1, 2, 3, 4, 5, 8, 9, 13]
     xs = [x[:n] for n in shapes] + [x[j : j + 1] for j in range(13)]
     plain = _products(qtype, raw, xs, repack=False, threads=2)
+    # the plain layout's one-row kernel for every row (hinted: no tinyBLAS for the many-row products)
+    plain_rows = _products(qtype, raw, xs, repack=False, threads=2, row_invariant=True)
     for threads in (1, 2, 3):
         got = _products(qtype, raw, xs, repack=True, threads=threads, row_invariant=row_invariant)
         alone = np.concatenate(got[len(shapes) :])  # each row computed by itself
@@ -120,6 +136,9 @@ def _check_products(qtype, *, row_invariant: bool) -> None:
             # against float64 on the dequantized weight: the activations are quantized to 8 bits
             np.testing.assert_allclose(y, x[:n].astype(np.float64) @ deq.T, rtol=0, atol=2e-2 * scale)
             assert y.tobytes() == alone[:n].tobytes(), f"{qtype.name}: a row of {n} differs from it alone"
+        if qtype in EXACT_TYPES:
+            for y, p in zip(got, plain_rows):
+                assert y.tobytes() == p.tobytes(), f"{qtype.name}: the repacked product is not vec_dot's"
         if threads == 1:
             first = got
         else:
@@ -145,7 +164,7 @@ def test_repacked_experts_match_and_are_row_invariant(qtype, hinted):
     expert gets 4 or more rows, which go four at a time through the layout's gemm, patch 0027), the input
     per routed slot and broadcast: NumPy's float64 within the quantized tolerance for 1 to 3 threads, the
     same bits for each. Row-invariant (each token's rows bit-identical to that token alone, the plain
-    product within float32 rounding): the Q8_0-activation layouts (Q4_0, IQ4_NL) always; the K-quant
+    product within float32 rounding): the Q4_0, IQ4_NL, Q8_0 and Q4_1 layouts always; the K-quant
     layouts (Q4_K, Q2_K) when the product is hinted row-invariant (patch 0026's rule: gemv only)."""
     rt = tg.Runtime("cpu", threads=1)
     try:
@@ -153,7 +172,7 @@ def test_repacked_experts_match_and_are_row_invariant(qtype, hinted):
             pytest.skip(f"no repacked {qtype.name} expert layout on this CPU ({tg.cpu_variant().tag})")
     finally:
         rt.close()
-    invariant = hinted or qtype in (tg.GGMLType.Q4_0, tg.GGMLType.IQ4_NL)
+    invariant = hinted or qtype in INVARIANT_TYPES
     rng = np.random.default_rng(100 + int(qtype))
     w = rng.standard_normal((E, OUT, IN)).astype(np.float32)
     raw = b"".join(tg.quantize(w[e], qtype) for e in range(E))
@@ -176,6 +195,8 @@ def test_repacked_experts_match_and_are_row_invariant(qtype, hinted):
             if invariant:
                 np.testing.assert_allclose(y, plain, rtol=0, atol=1e-6 * scale)
                 assert y.tobytes() == alone.tobytes(), f"{qtype.name}: a token's rows differ from it alone (u={u})"
+            if qtype in EXACT_TYPES:  # ggml's plain expert product runs vec_dot for every routed row
+                assert y.tobytes() == plain.tobytes(), f"{qtype.name}: the repacked experts are not vec_dot's"
             if first is None:
                 first = y
             assert y.tobytes() == first.tobytes(), f"{qtype.name}: {threads} threads differ from 1"
@@ -201,7 +222,7 @@ def test_the_avx2_kernels_too():
     r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     # Q4_0 and IQ4_NL ran there, as weights, hinted weights and experts (hinted and not); Q4_K hinted and as
-    # experts (Q2_K has no AVX2 layout)
+    # experts (Q2_K, Q8_0 and Q4_1 have no AVX2 layout)
     assert "11 passed" in r.stdout, r.stdout[-2000:]
 
 
