@@ -84,13 +84,14 @@ def test_greedy_tokens_equal_llamacpp(model_files, name):
             assert int(np.argmax(last)) == g["generated_ids"][0]
 
 
-@pytest.mark.parametrize("name", [ORIGINAL, "smollm2-Q4_0.gguf"])
+@pytest.mark.parametrize("name", [ORIGINAL, "smollm2-Q4_0.gguf", "smollm2-Q8_0.gguf"])
 def test_batched_decode_equals_solo_on_smollm2(model_files, name):
     """Three prompts of different lengths decoded together (one decode call
     per step) give bit-identical logits to each decoded alone: on the
-    original file, and on its Q4_0 conversion, whose weights toy.load keeps
-    in ggml's repacked layout (the tied head reading a repacked copy of the
-    embedding) where the CPU has one."""
+    original (Q4_1) file and its Q4_0 and Q8_0 conversions, whose weights
+    toy.load keeps in a repacked layout (the tied head reading a repacked
+    copy of the embedding) where the CPU has one: ggml's for Q4_0, toy's own
+    for Q4_1 and Q8_0 (AVX-512 VNNI)."""
     rec = BY_FILE[ORIGINAL]
     prompts = [g["prompt_ids"] for g in rec["generations"][:3]]
     assert len({len(p) for p in prompts}) > 1

@@ -659,14 +659,16 @@ def load(
     ``tensor_split`` (one share per device, local first: ``[3, 1]`` or
     "3,1"). ``RemoteDeviceError`` when an endpoint cannot be used.
     ``repack``: on the CPU (one device), the weights of the types whose
-    repacked layout keeps each row's bits and speeds up prefill as well as
-    decode (``toy.gguf.bind.REPACK_TYPES``: Q4_0, IQ4_NL) are copied once
-    into ggml's interleaved layout where this CPU has one, for its faster
-    product kernels, as llama.cpp does by default: the projections, a
+    repacked layout keeps each row's bits and speeds up decode without
+    slowing prefill (``toy.gguf.bind.REPACK_TYPES``: Q4_0, IQ4_NL, and on
+    x86 CPUs with AVX-512 VNNI Q8_0 and Q4_1) are copied once into an
+    interleaved layout where this CPU has one, for its faster product
+    kernels, as llama.cpp does by default: the projections, a
     separate head or a copy of the embedding a head is tied to, a mixture's
     experts. ``"all"`` adds Q4_K and Q2_K (``REPACK_ALL_TYPES``): faster
     decode, slower prefill of long prompts. The products differ from the
-    file's plain layout by float rounding only. False keeps every weight in
+    file's plain layout by float rounding only (Q8_0 and Q4_1: not at all
+    from its one-row products). False keeps every weight in
     the mapped file."""
     if repack not in REPACK_CHOICES or not isinstance(repack, (bool, str)):
         raise BadInputError(f"repack={repack!r} must be True, False or 'all'", field="repack")
