@@ -428,7 +428,7 @@ def test_decode_per_type(record, type_models, prompt_ids, tmp_path, dtype):
 def test_decode_moe_layouts(record, tmp_path):
     """The same sides and profile on the OLMoE-shaped Q4_K_M model of ``test_inference_moe``, toy loading it
     with ``repack="all"`` (its Q4_K experts and attn_q in ggml's repacked layout, as llama.cpp keeps them;
-    the ``toy_plain`` side is what toy.load's default does with this file: no Q4_0 or IQ4_NL in it)."""
+    the ``toy_plain`` side is what toy.load's default does with this file: none of ``REPACK_TYPES`` in it)."""
     model = moe_bench_model()
     ids = write_prompt_ids(model, tmp_path)
     decode_layouts(record, model, ids, tmp_path, "Q4_K_M", GPT2_NEW_TOKENS, f"{MOE_TAG}, repack=all", toy_repack="all")

@@ -91,7 +91,7 @@ def test_batched_decode_equals_solo_on_smollm2(model_files, name):
     original (Q4_1) file and its Q4_0 and Q8_0 conversions, whose weights
     toy.load keeps in a repacked layout (the tied head reading a repacked
     copy of the embedding) where the CPU has one: ggml's for Q4_0, toy's own
-    for Q4_1 and Q8_0 (AVX-512 VNNI)."""
+    for Q4_1 (x86 with AVX2) and Q8_0 (AVX-512 VNNI)."""
     rec = BY_FILE[ORIGINAL]
     prompts = [g["prompt_ids"] for g in rec["generations"][:3]]
     assert len({len(p) for p in prompts}) > 1

@@ -660,8 +660,8 @@ def load(
     "3,1"). ``RemoteDeviceError`` when an endpoint cannot be used.
     ``repack``: on the CPU (one device), the weights of the types whose
     repacked layout keeps each row's bits and speeds up decode without
-    slowing prefill (``toy.gguf.bind.REPACK_TYPES``: Q4_0, IQ4_NL, and on
-    x86 CPUs with AVX-512 VNNI Q8_0 and Q4_1) are copied once into an
+    slowing prefill (``toy.gguf.bind.REPACK_TYPES``: Q4_0, IQ4_NL, Q4_1,
+    and with AVX-512 VNNI Q8_0; x86 CPUs) are copied once into an
     interleaved layout where this CPU has one, for its faster product
     kernels, as llama.cpp does by default: the projections, a
     separate head or a copy of the embedding a head is tied to, a mixture's

@@ -35,9 +35,9 @@ from toy.gguf.reader import GGUFError, GGUFFile, TensorInfo
 #: row alone, as exact batching and speculative decoding need (toy-ggml's test_repack.py proves it on every
 #: CPU variant the tests run), and that are faster than the plain layout for decode without slowing
 #: prefill. ggml's Q4_0 and IQ4_NL (on 2 Zen 4 cores, a 512-row Q4_0 product 15.3 ms repacked against
-#: 22.5 ms plain; experts 11.3 against 23.4 ms); toy's own Q8_0 and Q4_1 (patch 0028, x86 with AVX-512
-#: VNNI), whose products are the plain layout's one-row products bit for bit (a 1536x576 Q8_0 product of
-#: one row 0.020 ms against 0.032-0.046 plain; of 512 rows 4.4 ms against tinyBLAS's 4.2).
+#: 22.5 ms plain; experts 11.3 against 23.4 ms); toy's own Q4_1 (patch 0028, x86 with AVX2) and Q8_0
+#: (AVX-512 VNNI), whose products are the plain layout's one-row products bit for bit (a 1536x576 Q8_0
+#: product of one row 0.020 ms against 0.032-0.046 plain; of 512 rows 4.4 ms against tinyBLAS's 4.2).
 REPACK_TYPES = frozenset(
     {toy_ggml.GGMLType.Q4_0, toy_ggml.GGMLType.IQ4_NL, toy_ggml.GGMLType.Q8_0, toy_ggml.GGMLType.Q4_1}
 )
