@@ -525,10 +525,11 @@ def test_repacked_weights_give_the_plain_logits_within_rounding(rt, models):
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_1"])
 def test_toys_own_layouts_give_the_plain_logits_bit_for_bit(rt, models, qtype):
-    """Q8_0 and Q4_1 in toy's repacked layouts (patch 0028: Q4_1 with AVX2, Q8_0 with AVX-512 VNNI): every product sums as
-    the plain layout's one-row kernel does, so decode logits are the plain model's bit for bit, and so is
-    a prefill that takes that kernel: Q4_1's always (the plain layout has no tinyBLAS kernel for it), Q8_0's
-    with exact batching (unhinted, the plain Q8_0 prefill goes to tinyBLAS, whose sums need not be these)."""
+    """Q8_0 and Q4_1 in toy's repacked layouts (patch 0028: Q4_1 with AVX2, Q8_0 with AVX-512 VNNI): every
+    product sums as the plain layout's one-row kernel does, so decode logits are the plain model's bit for
+    bit, and so is a prefill that takes that kernel: Q4_1's always (the plain layout has no tinyBLAS kernel
+    for it), Q8_0's with exact batching (unhinted, the plain Q8_0 prefill goes to tinyBLAS, whose sums need
+    not be these)."""
     packed, plain = models(f"wide_{qtype}_repack"), models(f"wide_{qtype}")
     assert {n.split(".", 2)[-1] for n in packed.weights.repacked} >= {"attn_q.weight", "ffn_down.weight"}
     ids = tokens(12, seed=4)

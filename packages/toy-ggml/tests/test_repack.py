@@ -2,10 +2,10 @@
 
 ggml's CPU backend stores some quantized weights in interleaved layouts with product kernels of their
 own (its CPU_REPACK extra buffer type: Q4_0, IQ4_NL and Q4_K on AVX2/AVX-512 x86, Q2_K on AVX-512,
-rows a multiple of 8); llama.cpp uses them by default. Patch 0028 adds toy's own for Q4_1 on x86 variants
-with AVX2 and Q8_0 on those with AVX-512 VNNI (rows a multiple of 4), whose products are the plain vec_dot
-products' bits. Checked here, for every such type the CPU this runs on
-has, and again in a process on the AVX2 variant (haswell) when this one loaded another:
+rows a multiple of 8); llama.cpp uses them by default. Patch 0028 adds toy's own for Q4_1 on x86
+variants with AVX2 and Q8_0 on those with AVX-512 VNNI (rows a multiple of 4), whose products are the
+plain vec_dot products' bits. Checked here, for every such type the CPU this runs on has, and again in a
+process on the AVX2 variant (haswell) when this one loaded another:
 
 - the layout query agrees with what ggml does with the tensor (a weight it would not repack is refused
   by allocate, naming it), and a repacked weight cannot be read back (GGMLError, not a crash);
@@ -13,10 +13,10 @@ has, and again in a process on the AVX2 variant (haswell) when this one loaded a
   float64 product of the dequantized weight within the quantized product's tolerance;
 - row invariance, which toy's exact batching and speculative decoding rely on: each row of a product
   of 1 to 13 rows is bit-identical to that row's product alone (ggml computes 4-row blocks with its
-  gemm kernel and the rest with its gemv kernel), for 1 to 3 threads. It holds for Q4_0, IQ4_NL, Q8_0 and Q4_1;
-  not for Q4_K and Q2_K (expected failures), unless the product is hinted row-invariant
+  gemm kernel and the rest with its gemv kernel), for 1 to 3 threads. It holds for Q4_0, IQ4_NL, Q8_0
+  and Q4_1; not for Q4_K and Q2_K (expected failures), unless the product is hinted row-invariant
   (``mul_mat(row_invariant=True)``, as toy's engine asks): then patch 0026 runs those layouts' rows
-  through the gemv kernel alone, and it holds for all four;
+  through the gemv kernel alone, and it holds for all six;
 - the same for experts (3-D weights) in ``mul_mat_id``: ggml's repacked expert product computes every
   routed row with the 1-row kernel, so it is row-invariant for every type with a layout, K-quants too.
 """
@@ -37,7 +37,7 @@ F32 = tg.GGMLType.F32
 # unhinted products: ggml's Q4_K and Q2_K layouts round a row of a 4-row block differently from the row
 # alone (measured on AVX-512 Zen 4 and AVX2: the last bit of some outputs); strict xfail, so a ggml change
 # shows up. toy's engine hints its products row-invariant, which keeps those layouts' rows on the gemv
-# kernel (patch 0026), so toy repacks all four (toy.gguf.bind.REPACK_TYPES)
+# kernel (patch 0026), so toy can repack them (``repack="all"``, toy.gguf.bind.REPACK_ALL_TYPES)
 _NOT_INVARIANT = pytest.mark.xfail(reason="ggml's 4-row kernel rounds differently from its 1-row kernel", strict=True)
 TYPES = [
     tg.GGMLType.Q4_0,
@@ -47,7 +47,7 @@ TYPES = [
     pytest.param(tg.GGMLType.Q4_K, marks=_NOT_INVARIANT, id="Q4_K"),
     pytest.param(tg.GGMLType.Q2_K, marks=_NOT_INVARIANT, id="Q2_K"),
 ]
-# the row-invariant cases (hinted products, experts): all four
+# the row-invariant cases (hinted products, experts): all six
 ALL_TYPES = [
     tg.GGMLType.Q4_0,
     tg.GGMLType.IQ4_NL,
