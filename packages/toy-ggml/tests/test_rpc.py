@@ -43,6 +43,7 @@ _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 _HELLO = 14
 _HELLO_REQ = 24
 _STOCK_MAJOR = 7  # RPC_PROTO_MAJOR_VERSION of stock ggml 0.25.3 (ggml-rpc.h before patch 0023)
+_TOY_OP_SETS = 1  # changes of toy's op set since patch 0023 (0029's GELU_BACK): one major version each
 
 
 def _free_port() -> int:
@@ -402,7 +403,7 @@ def test_toy_server_answers_with_its_own_version(server):
             assert chunk
             data += chunk
     assert struct.unpack("<Q", data[:8])[0] == 28
-    assert data[8] == 100 + _STOCK_MAJOR
+    assert data[8] == 100 + _STOCK_MAJOR + _TOY_OP_SETS
 
 
 def test_silent_handshake_and_closed_port(monkeypatch):
