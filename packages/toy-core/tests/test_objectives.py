@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+import toy_ggml
 from toy.gguf import GGUFFile
 from toy.models.llama import LlamaConfig
 from toy.train.model import ArchTrain
@@ -418,3 +419,25 @@ def test_dpo_gradient_at_the_reference_point(tiny, rt):
     _check(loss, grads, ref_loss, ref)
     assert max(float(np.abs(g).max()) for g in grads.values()) > 1e-3
     eng.close()
+
+
+def test_an_engine_without_objective_takes_target_ids_and_gives_the_same_logps(tiny, rt):
+    # Without an objective (and without label smoothing) the engine's labels on a CPU are the
+    # targets' ids (toy-ggml patch 0030: no (N, V) one-hot matrix); its per-target log-probs
+    # gather the softmax at the ids instead of summing it against one-hot rows. Both must be
+    # the one-hot engine's bits: an objective's engine keeps one-hot rows.
+    cfg, w = tiny
+    rng = np.random.default_rng(11)
+    b = _rows(rng, cfg.n_vocab, 4)
+    plain = _engine(rt, cfg, w, None, 4)
+    dense = _engine(rt, cfg, w, DPOLoss(0.1), 4)
+    smooth = TrainEngine(ArchTrain(cfg), w, rt, OptimConfig(), batch=4, context=T, label_smoothing=0.1)
+    try:
+        assert plain._labels.dtype == toy_ggml.GGMLType.I32 and plain._labels.shape == (4 * T,)
+        assert dense._labels.shape == (4 * T, cfg.n_vocab) and smooth._labels.shape == (4 * T, cfg.n_vocab)
+        got, want = plain.token_logps(b), dense.token_logps(b)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+        assert np.all(got[b.loss_mask == 0] == 0.0) and np.all(got[b.loss_mask > 0] < 0.0)
+    finally:
+        for e in (plain, dense, smooth):
+            e.close()

@@ -703,10 +703,25 @@ cdef class Context(_ContextBase):
     # ---------------------------------------------------------------- training
 
     def cross_entropy_loss(self, Tensor logits, Tensor labels):
-        """Mean over rows of -sum(labels * log_softmax(logits)): both (N, V)
-        F32 (labels as probabilities) -> (1,)."""
+        """Mean over rows of -sum(labels * log_softmax(logits)) -> (1,).
+        ``logits`` (N, V) F32; ``labels`` (N, V) F32 (probabilities), or (N,)
+        I32 target ids (patch 0030): a row's label is then the one-hot row of
+        its id, and a negative id a row without a target (adding 0), with the
+        same results bit for bit as those one-hot rows (finite logits) and
+        without the (N, V) matrix. Ids need toy's CPU ops (``toy_ops``)."""
         self._in2(logits, labels)
-        _f32(logits, "cross_entropy_loss", "logits"); _f32(labels, "cross_entropy_loss", "labels")
+        _f32(logits, "cross_entropy_loss", "logits")
+        if labels.ptr.type == GGML_TYPE_I32:
+            if not self.toy_ops:
+                raise ValueError("cross_entropy_loss: target ids are toy's CPU op (toy_ops is off); "
+                                 "give the one-hot rows")
+            if logits._ndim != 2 or labels._ndim != 1 or labels.ptr.ne[0] != logits.ptr.ne[1]:
+                raise ValueError(f"cross_entropy_loss: target ids {_shp(labels)} for logits {_shp(logits)}: "
+                                 "expected logits (N, V) and ids (N,)")
+            if not ggml_is_contiguous(logits.ptr) or not ggml_is_contiguous(labels.ptr):
+                raise ValueError("cross_entropy_loss: inputs must be contiguous")
+            return self._r(ggml_toy_cross_entropy_loss_ids(self.ptr, logits.ptr, labels.ptr), 1)
+        _f32(labels, "cross_entropy_loss", "labels")
         if not ggml_are_same_shape(logits.ptr, labels.ptr):
             raise ValueError(f"cross_entropy_loss: logits {_shp(logits)} and labels {_shp(labels)} differ")
         if not ggml_is_contiguous(logits.ptr) or not ggml_is_contiguous(labels.ptr):

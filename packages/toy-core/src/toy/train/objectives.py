@@ -92,6 +92,19 @@ def target_logps(ops: toy_ggml.Context, logits, labels, keep, batch: int, contex
     return ops.reshape(lp, (batch, context))
 
 
+def target_logps_from_ids(ops: toy_ggml.Context, logits, rows, keep, batch: int, context: int, scale: float = 1.0):
+    """``target_logps`` from the targets' ids: ``rows`` (N, 1) I32, each row's
+    target (any valid id where ``keep`` is 0). The target's probability is
+    gathered (``get_rows`` of the softmax viewed as N matrices of V one-value
+    rows) instead of summed against a one-hot row: the same value, since that
+    sum adds only the target's term to zeros."""
+    n, v = logits.shape
+    p = ops.soft_max(logits, scale=scale)
+    pt = ops.reshape(ops.get_rows(ops.reshape(p, (n, v, 1)), rows), (n, 1))
+    lp = ops.mul(ops.log(ops.scale(pt, 1.0, PROB_FLOOR)), keep)
+    return ops.reshape(lp, (batch, context))
+
+
 # ------------------------------------------------------------------ scalar pieces
 
 
@@ -660,4 +673,5 @@ __all__ = [
     "sigmoid",
     "softplus",
     "target_logps",
+    "target_logps_from_ids",
 ]

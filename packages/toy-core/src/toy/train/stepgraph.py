@@ -5,7 +5,7 @@ graph from a batch to logits; the engine supplies everything else. For one
 batch of B rows x T tokens (``N = B*T``):
 
     logits (N, V) = model.logits(ctx, params, inputs)        # rows without a target zeroed
-    ce            = cross_entropy_loss(logits, one-hot labels)   # = sum(nll) / N
+    ce            = cross_entropy_loss(logits, labels)   # = sum(nll) / N
     loss          = ce * loss_scale                               # loss_scale = N / n_targets(step)
 
 ``n_targets(step)`` counts the target tokens of ALL micro-batches of the
@@ -14,6 +14,13 @@ optimizer step, so with gradient accumulation the summed micro-batch losses
 mean of micro-batch means. Rows without a target (``loss_mask`` 0: padding,
 the position after a document's end) get a zero one-hot row and are zeroed
 before the head, so they add nothing to the loss or to any gradient.
+
+The labels are the targets' ids (patch 0030: ``cross_entropy_loss`` with I32
+labels, -1 for a row without a target) where every backend has toy's CPU ops
+(``Runtime.toy_ops``), with the same loss and gradient bits as one-hot rows
+and without uploading an (N, V) matrix each micro-batch; one-hot F32 rows
+(smoothed ones with label smoothing) on a GPU, with label smoothing, and
+with an objective (whose log-probs multiply the rows).
 
 Graphs (built once, reused; a step is data uploads plus one compute each):
 
@@ -83,7 +90,7 @@ import toy_ggml
 from toy import models
 from toy.models.common import block_causal_mask, causal_mask
 from toy.train.distributed import World, owners
-from toy.train.objectives import Objective, target_logps
+from toy.train.objectives import Objective, target_logps, target_logps_from_ids
 from toy.train.optim import OptimConfig, adamw_hparams
 
 F32 = toy_ggml.GGMLType.F32
@@ -279,7 +286,11 @@ class TrainEngine:
         self.specs = model.param_specs()
         self.n_vocab = model.n_vocab
         n = self.n_rows = self.feed.rows(batch, context)
-        self._labels_host = np.zeros((n, self.n_vocab), np.float32)
+        # the labels as target ids (patch 0030: no (N, V) one-hot matrix, the same loss and
+        # gradient bits) where every backend has toy's CPU ops and nothing needs whole label rows
+        # (label smoothing, an objective's log-probs); else one-hot (or smoothed) F32 rows
+        self._label_ids = bool(runtime.toy_ops) and not self.label_smoothing and objective is None
+        self._labels_host = np.zeros((n, 1 if self._label_ids else self.n_vocab), np.float32)
         self._label_cols = np.zeros(n, np.int64)
         self._labels_dense = False  # whether the host labels hold smoothed rows
         self._profile: list[tuple[str, str, float]] | None = None  # node times while profile_step runs
@@ -312,7 +323,11 @@ class TrainEngine:
             if accum > 1 or dist:
                 self._acc[s.name] = st.tensor(F32, s.shape, name=f"grad_acc.{s.name}")
         self.inputs = self.feed.make(st, batch, context)
-        self._labels = st.tensor(F32, (n, self.n_vocab), name="labels")
+        if self._label_ids:
+            self._labels = st.tensor(I32, (n,), name="labels")  # the target, -1 without one
+            self._label_rows = st.tensor(I32, (n, 1), name="label_rows")  # the target, 0 without one
+        else:
+            self._labels = st.tensor(F32, (n, self.n_vocab), name="labels")
         self._loss_scale = st.tensor(F32, (1,), name="loss_scale")
         self._hp = {True: st.tensor(F32, (7,), name="adamw_decay"), False: st.tensor(F32, (7,), name="adamw_no_decay")}
         self._clip = st.tensor(F32, (1,), name="clip")
@@ -420,7 +435,10 @@ class TrainEngine:
         loss and the objective's outputs) and the training kinds."""
         inp = self.inputs
         scale = float(getattr(self.objective, "logit_scale", 1.0))
-        lp = target_logps(ops, logits, self._labels, inp.keep, inp.batch, inp.context, scale)
+        if self._label_ids:  # "logps" of an engine without an objective
+            lp = target_logps_from_ids(ops, logits, self._label_rows, inp.keep, inp.batch, inp.context, scale)
+        else:
+            lp = target_logps(ops, logits, self._labels, inp.keep, inp.batch, inp.context, scale)
         if kind == "logps":
             lp = lp.set_output()
             g = toy_ggml.Graph(ops, size=cap * 4).build_forward(lp)
@@ -534,6 +552,10 @@ class TrainEngine:
         rows = np.arange(n)
         lab = self._labels_host
         cols = np.where(keep > 0, targets, 0)
+        if self._label_ids:
+            self._labels.set(np.where(keep > 0, targets, -1).astype(np.int32))
+            self._label_rows.set(cols.astype(np.int32).reshape(n, 1))
+            return
         e = self.label_smoothing if smooth else 0.0
         if e > 0.0:
             lab[:] = ((keep > 0) * (e / self.n_vocab)).astype(np.float32)[:, None]
