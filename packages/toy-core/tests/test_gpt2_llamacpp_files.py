@@ -48,7 +48,7 @@ adapter's top-8 at the last prompt position (with and without it).
 run ggml's CPU kernels, so only summation order may differ (llama.cpp's
 build has AVX2, toy's may pick other paths on another CPU). Measured when
 recording (the fixture's ``measured``): the last-prompt rows bit-identical
-(0.0), the greedy-step logits 6.9e-6 (toy's one-pass prefill against
+(0.0), the greedy-step logits 8.8e-6 (toy's one-pass prefill against
 llama.cpp's token-by-token decode), the adapter's top-8 3.1e-8. The
 smallest top-1 minus top-2 gap over the greedy steps (``min_margin``) is
 0.0026 (train) and 0.0062 (adapter), hundreds of times the measured

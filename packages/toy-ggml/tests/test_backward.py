@@ -373,7 +373,7 @@ def test_norm_finite_differences(rt, rng):
 
 @pytest.mark.parametrize("eps", [1e-5, 0.5])
 def test_norm_analytic(rt, rng, eps):
-    # patched backward (0001-norm-backward.patch) vs
+    # patched backward (0031's NORM_BACK; 0001's composed graph without toy_ops) vs
     # dx = (g - mean(g) - y * mean(g * y)) / sigma per row
     x = _normal(rng, (4, 8), 2.0) + 3.0
     (gx,), _, up = ggml_grads(rt, lambda c, t: c.norm(t, eps), [x])
@@ -384,6 +384,38 @@ def test_norm_analytic(rt, rng, eps):
     y = xc / sigma
     expected = (g - g.mean(-1, keepdims=True) - y * (g * y).mean(-1, keepdims=True)) / sigma
     np.testing.assert_allclose(gx, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
+
+
+def test_norm_backward_is_one_op_and_the_standard_backward_composes_it(rt, rng):
+    # patch 0031: with toy_ops (a CPU runtime) NORM's gradient is one NORM_BACK node; off
+    # (patch 0025's standard backward, for a GPU) the composed graph of patch 0001. Both are
+    # the derivative: within 1e-5 of each other relative to the largest gradient, on rows of
+    # GPT-2's and the ViT's widths and an odd one.
+    for shape in [(5, 64), (3, 768), (2, 37)]:
+        x = _normal(rng, shape, 2.0) + 1.0
+        up = _normal(rng, shape)
+        got = {}
+        for toy_ops in (True, False):
+            with tg.Context(max_tensors=256) as ctx:
+                ctx.toy_ops = toy_ops
+                t = ctx.tensor(F32, x.shape).set_param()
+                u = ctx.tensor(F32, x.shape)
+                loss = ctx.sum(ctx.mul(ctx.norm(t, 1e-5), u)).set_loss()
+                g = tg.Graph(ctx, size=1024, grads=True)
+                g.build_forward(loss)
+                g.build_backward()
+                gx = g.grad(t)
+                ctx.allocate(rt)
+                t.set(x)
+                u.set(up)
+                g.reset()
+                rt.compute(g)
+                got[toy_ops] = (gx.numpy().astype(np.float64), [n.op for n in g.nodes])
+        fused, fused_ops = got[True]
+        composed, composed_ops = got[False]
+        assert fused_ops == ["NONE", "NORM", "MUL", "SUM", "REPEAT", "MUL", "NORM_BACK"]
+        assert "NORM_BACK" not in composed_ops and len(composed_ops) - 6 == 13
+        np.testing.assert_allclose(fused, composed, rtol=0, atol=1e-5 * np.abs(composed).max())
 
 
 def test_norm_then_affine(rt, rng):

@@ -43,7 +43,9 @@ _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 _HELLO = 14
 _HELLO_REQ = 24
 _STOCK_MAJOR = 7  # RPC_PROTO_MAJOR_VERSION of stock ggml 0.25.3 (ggml-rpc.h before patch 0023)
-_TOY_OP_SETS = 1  # changes of toy's op set since patch 0023 (0029's GELU_BACK): one major version each
+_TOY_OP_SETS = (
+    3  # changes of toy's op set since patch 0023 (0029: GELU_BACK; 0030: I32 cross-entropy labels; 0031: NORM_BACK)
+)
 
 
 def _free_port() -> int:
