@@ -394,23 +394,7 @@ def test_norm_backward_is_one_op_and_the_standard_backward_composes_it(rt, rng):
     for shape in [(5, 64), (3, 768), (2, 37)]:
         x = _normal(rng, shape, 2.0) + 1.0
         up = _normal(rng, shape)
-        got = {}
-        for toy_ops in (True, False):
-            with tg.Context(max_tensors=256) as ctx:
-                ctx.toy_ops = toy_ops
-                t = ctx.tensor(F32, x.shape).set_param()
-                u = ctx.tensor(F32, x.shape)
-                loss = ctx.sum(ctx.mul(ctx.norm(t, 1e-5), u)).set_loss()
-                g = tg.Graph(ctx, size=1024, grads=True)
-                g.build_forward(loss)
-                g.build_backward()
-                gx = g.grad(t)
-                ctx.allocate(rt)
-                t.set(x)
-                u.set(up)
-                g.reset()
-                rt.compute(g)
-                got[toy_ops] = (gx.numpy().astype(np.float64), [n.op for n in g.nodes])
+        got = {on: _op_grads(rt, lambda c, t: c.norm(t, 1e-5), x, up, toy_ops=on) for on in (True, False)}
         fused, fused_ops = got[True]
         composed, composed_ops = got[False]
         assert fused_ops == ["NONE", "NORM", "MUL", "SUM", "REPEAT", "MUL", "NORM_BACK"]
@@ -832,15 +816,14 @@ def test_tanh_analytic(rt, rng):
 # --------------------------------------------------------------------------- patch 0029: GELU_BACK
 
 
-def _gelu_graph_grads(rt, form, x, up, *, toy_ops=True):
-    """dx of ``sum(gelu(x) * up)`` (form "tanh": ``gelu``, "erf": ``gelu_erf``) and the op of
-    every node of the graph, built in a context with ``toy_ops`` as given."""
+def _op_grads(rt, build, x, up, *, toy_ops=True):
+    """dx of ``sum(build(ctx, x) * up)`` and the op of every node of the graph, built in a
+    context with ``toy_ops`` as given."""
     with tg.Context(max_tensors=256) as ctx:
         ctx.toy_ops = toy_ops
         t = ctx.tensor(F32, x.shape).set_param()
         u = ctx.tensor(F32, x.shape)
-        y = ctx.gelu(t) if form == "tanh" else ctx.gelu_erf(t)
-        loss = ctx.sum(ctx.mul(y, u)).set_loss()
+        loss = ctx.sum(ctx.mul(build(ctx, t), u)).set_loss()
         g = tg.Graph(ctx, size=1024, grads=True)
         g.build_forward(loss)
         g.build_backward()
@@ -851,6 +834,12 @@ def _gelu_graph_grads(rt, form, x, up, *, toy_ops=True):
         g.reset()
         rt.compute(g)
         return gx.numpy().astype(np.float64), [n.op for n in g.nodes]
+
+
+def _gelu_graph_grads(rt, form, x, up, *, toy_ops=True):
+    """``_op_grads`` of GELU (form "tanh": ``gelu``, "erf": ``gelu_erf``)."""
+    gelu = (lambda c, t: c.gelu(t)) if form == "tanh" else (lambda c, t: c.gelu_erf(t))
+    return _op_grads(rt, gelu, x, up, toy_ops=toy_ops)
 
 
 @pytest.mark.parametrize("form", ["tanh", "erf"])

@@ -290,7 +290,7 @@ class TrainEngine:
         # gradient bits) where every backend has toy's CPU ops and nothing needs whole label rows
         # (label smoothing, an objective's log-probs); else one-hot (or smoothed) F32 rows
         self._label_ids = bool(runtime.toy_ops) and not self.label_smoothing and objective is None
-        self._labels_host = np.zeros((n, 1 if self._label_ids else self.n_vocab), np.float32)
+        self._labels_host = np.zeros((0 if self._label_ids else n, self.n_vocab), np.float32)  # dense only
         self._label_cols = np.zeros(n, np.int64)
         self._labels_dense = False  # whether the host labels hold smoothed rows
         self._profile: list[tuple[str, str, float]] | None = None  # node times while profile_step runs

@@ -248,5 +248,6 @@ cdef extern from "ggml.h" nogil:
 cdef extern from "ggml-toy.h" nogil:
     # toy patch 0025: the backward built in a context uses standard ops only (for a GPU)
     void ggml_toy_set_standard_backward(ggml_context * ctx, bint standard)
-    ggml_tensor * ggml_toy_cross_entropy_loss_ids(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b)
     bint ggml_toy_get_standard_backward(const ggml_context * ctx)
+    # toy patch 0030: cross-entropy with I32 target ids as its labels
+    ggml_tensor * ggml_toy_cross_entropy_loss_ids(ggml_context * ctx, ggml_tensor * a, ggml_tensor * b)
