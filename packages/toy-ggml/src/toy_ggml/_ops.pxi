@@ -708,7 +708,10 @@ cdef class Context(_ContextBase):
         I32 target ids (patch 0030): a row's label is then the one-hot row of
         its id, and a negative id a row without a target (adding 0), with the
         same results bit for bit as those one-hot rows (finite logits) and
-        without the (N, V) matrix. Ids need toy's CPU ops (``toy_ops``)."""
+        without the (N, V) matrix. Ids need toy's CPU ops (``toy_ops``) and
+        must be below V: they are data, read only when the graph computes,
+        where ggml's kernel aborts on an id >= V (as ``get_rows`` does on an
+        index out of range); check them before ``set``."""
         self._in2(logits, labels)
         _f32(logits, "cross_entropy_loss", "logits")
         if labels.ptr.type == GGML_TYPE_I32:
